@@ -1,0 +1,34 @@
+"""Names and defaults shared by the router, the SDK and the connector (one name per concept)."""
+
+from __future__ import annotations
+
+# --- conversation identity -------------------------------------------------------------------------
+DEFAULT_SESSION_HEADER = "x-session-id"
+ALT_SESSION_HEADERS = ("x-conversation-id",)
+# Body fields accepted as the conversation id, in priority order; stripped before forwarding.
+BODY_ID_FIELDS = ("conversation_id", "session_id", "prompt_cache_key")
+MAX_CONVERSATION_ID_LEN = 128
+CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
+
+# --- response headers the router adds (never internal block ids / hosts) ----------------------------
+H_REUSED_TOKENS = "x-agentkv-reused-tokens"
+H_PROMPT_TOKENS = "x-agentkv-prompt-tokens"
+H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none | local
+H_PATH = "x-agentkv-path"  # decode-local | pull | recompute | single
+H_LEASE_EXPIRES_IN = "x-agentkv-lease-expires-in"  # seconds, float
+H_PREFILL_MS = "x-agentkv-prefill-ms"
+H_CONVERSATION_ID = "x-agentkv-conversation-id"
+H_FINAL_TURN = "x-agentkv-final-turn"
+
+# --- leases ----------------------------------------------------------------------------------------
+DEFAULT_LEASE_S = 30.0
+DEFAULT_MAX_LEASE_S = 600.0
+VLLM_FIXED_TTL_S = 480.0
+
+# --- engine ----------------------------------------------------------------------------------------
+DEFAULT_PREFILL_PORT = 8100
+DEFAULT_DECODE_PORT = 8200
+DEFAULT_ROUTER_PORT = 8000
+# Offset from a decode's HTTP port to its lease (retention) service port, used by the launcher.
+LEASE_PORT_OFFSET = 1000
+SIDE_CHANNEL_BASE_PORT = 5600
