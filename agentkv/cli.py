@@ -1,0 +1,252 @@
+"""The ``agentkv`` command line: build a tiny model, run engines, a cluster, the router, the demo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from agentkv._exceptions import AgentKVError
+
+app = typer.Typer(
+    help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Make models for tests and demos (no downloads needed).", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+console = Console(stderr=True)
+
+DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
+
+
+def _fail(exc: AgentKVError) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    raise typer.Exit(1)
+
+
+def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
+    """The default model: built on first use (~15 s), reused afterwards."""
+    if (path / "config.json").exists():
+        return path
+    from agentkv.server._model import TinyModelSpec, make_tiny_model
+
+    with console.status(f"building the tiny model in {path} ..."):
+        make_tiny_model(path, spec=TinyModelSpec(seed=seed))
+    return path
+
+
+@model_app.command("tiny")
+def model_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")],
+    seed: Annotated[int, typer.Option(help="Same seed, same weights and tokenizer.")] = 0,
+) -> None:
+    """Build a tiny Qwen3-architecture model with random weights and a locally trained tokenizer."""
+    from agentkv.server._model import TinyModelSpec, make_tiny_model
+
+    try:
+        with console.status("training tokenizer and writing weights ..."):
+            path = make_tiny_model(out_dir, spec=TinyModelSpec(seed=seed))
+    except AgentKVError as exc:
+        _fail(exc)
+    console.print(f"tiny model written to [bold]{path}[/]")
+
+
+@app.command()
+def serve(
+    role: Annotated[str, typer.Argument(help="prefill | decode | single")],
+    model: Annotated[Path, typer.Option(help="Model directory.")] = DEFAULT_MODEL_DIR,
+    port: Annotated[int, typer.Option(help="HTTP port (default 8100 prefill / 8200 decode).")] = 0,
+    host: str = "127.0.0.1",
+    side_channel_port: Annotated[int, typer.Option(help="NIXL side channel port.")] = 0,
+    bidirectional: Annotated[bool, typer.Option(help="Decode -> prefill KV transfer.")] = True,
+    prefix_caching: bool = True,
+    lease_s: Annotated[float, typer.Option(help="Decode-side lease on retained blocks.")] = 30.0,
+    decoder_kv_blocks_ttl: float = 480.0,
+    kv_recompute_threshold: int = 64,
+    agentkv_connector: Annotated[
+        bool, typer.Option(help="Use agentkv's connector (else stock vLLM).")
+    ] = True,
+    log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
+) -> None:
+    """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
+    from agentkv._constants import LEASE_PORT_OFFSET
+    from agentkv.server._launcher import Engine, EngineSpec, detect_device
+
+    if role not in ("prefill", "decode", "single"):
+        raise typer.BadParameter("role must be prefill, decode or single", param_hint="ROLE")
+    port = port or (8100 if role == "prefill" else 8200)
+    spec = EngineSpec(
+        role=role,  # type: ignore[arg-type]
+        model=str(model),
+        port=port,
+        host=host,
+        device=detect_device(),
+        side_channel_port=side_channel_port or (5600 if role == "prefill" else 5700),
+        service_port=port + LEASE_PORT_OFFSET if agentkv_connector else None,
+        use_agentkv_connector=agentkv_connector,
+        bidirectional=bidirectional,
+        prefix_caching=prefix_caching,
+        lease_s=lease_s,
+        decoder_kv_blocks_ttl=decoder_kv_blocks_ttl,
+        kv_recompute_threshold=kv_recompute_threshold,
+        log_path=log or Path(f".agentkv/logs/{role}.log"),
+    )
+    engine = Engine(spec=spec, name=role)
+    try:
+        engine.start()
+        with console.status(f"starting {role} on {spec.url} (log: {spec.log_path}) ...") as status:
+            secs = engine.wait_healthy(on_tick=lambda t: status.update(f"starting {role} ... {t:.0f}s"))
+    except AgentKVError as exc:
+        engine.stop()
+        _fail(exc)
+    console.print(
+        f"{role} ready on [bold]{spec.url}[/] after {secs:.0f}s (pid {engine.pid}); Ctrl-C stops it"
+    )
+    _wait_forever(engine.stop)
+
+
+def _wait_forever(stop: Any) -> None:
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        stop()
+
+
+@app.command()
+def up(
+    config: Annotated[Path | None, typer.Option(help="Cluster config file (TOML or JSON).")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Model dir (default: the tiny model, built if missing).")
+    ] = None,
+    prefill: Annotated[
+        int | None, typer.Option("--prefill", "-p", help="Number of prefill instances.")
+    ] = None,
+    decode: Annotated[int | None, typer.Option("--decode", "-d", help="Number of decode instances.")] = None,
+    router_port: Annotated[int | None, typer.Option(help="Router port (default 8000).")] = None,
+    bidirectional: Annotated[bool | None, typer.Option(help="Decode -> prefill KV transfer.")] = None,
+    lease_s: Annotated[float | None, typer.Option(help="Decode-side lease on retained blocks.")] = None,
+    foreground: Annotated[bool, typer.Option(help="Stay attached; Ctrl-C stops everything.")] = False,
+) -> None:
+    """Start a local xPyD cluster (default 1P1D) and the router; print where everything listens."""
+    from agentkv.server._cluster import Cluster, ClusterConfig
+
+    overrides: dict[str, Any] = dict(
+        n_prefill=prefill,
+        n_decode=decode,
+        router_port=router_port,
+        bidirectional=bidirectional,
+        lease_s=lease_s,
+    )
+    try:
+        if config is not None:
+            cfg = ClusterConfig.from_file(config, **overrides, **({"model": str(model)} if model else {}))
+        else:
+            m = str(model) if model else str(ensure_tiny_model())
+            cfg = ClusterConfig(model=m, **{k: v for k, v in overrides.items() if v is not None})
+        cluster = Cluster(config=cfg)
+        with console.status("starting engines (1-3 minutes on CPU) ...") as status:
+            cluster.up(on_tick=lambda name, t: status.update(f"starting engines ... {name} {t:.0f}s"))
+    except AgentKVError as exc:
+        _fail(exc)
+    cluster.write_state()
+    _print_cluster(cluster.describe())
+    if foreground:
+        _wait_forever(cluster.down)
+    else:
+        console.print("stop with: [bold]agentkv down[/]")
+
+
+def _print_cluster(info: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    table = Table(title="agentkv cluster")
+    for col in ("name", "role", "url", "agentkv service", "pid", "ready (s)", "log"):
+        table.add_column(col)
+    for e in info["engines"]:
+        table.add_row(
+            e["name"], e["role"], e["url"], str(e["service"]), str(e["pid"]), str(e["ready_s"]), e["log"]
+        )
+    Console().print(table)
+    if info["router"]:
+        Console().print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
+
+
+@app.command()
+def down() -> None:
+    """Stop what `agentkv up` started."""
+    from agentkv.server._cluster import stop_from_state
+
+    stopped = stop_from_state()
+    console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")
+
+
+@app.command()
+def router(
+    prefill: Annotated[list[str] | None, typer.Option("--prefill", help="Prefill URL (repeat).")] = None,
+    decode: Annotated[list[str] | None, typer.Option("--decode", help="Decode URL (repeat).")] = None,
+    config: Annotated[Path | None, typer.Option(help="Router settings file (TOML or JSON).")] = None,
+    host: Annotated[str | None, typer.Option(help="Bind address (default 127.0.0.1).")] = None,
+    port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
+    reuse: Annotated[bool | None, typer.Option(help="Reuse decode KV (off: every turn recomputes).")] = None,
+    path_policy: Annotated[str | None, typer.Option(help="auto | always-pd | always-local")] = None,
+    store_url: Annotated[str | None, typer.Option(help="redis://... for a shared store.")] = None,
+    api_keys_file: Annotated[Path | None, typer.Option(help="File with one API key per line.")] = None,
+    session_header: Annotated[str | None, typer.Option(help="Conversation id header.")] = None,
+) -> None:
+    """Run the KV-cache-aware router (also configurable by AGENTKV_* env vars)."""
+    from pydantic import ValidationError
+
+    from agentkv.server.router import RouterSettings, run_router
+
+    overrides: dict[str, Any] = {
+        "prefill": prefill or None, "decode": decode or None, "host": host, "port": port, "reuse": reuse,
+        "path_policy": path_policy, "store_url": store_url, "api_keys_file": api_keys_file,
+        "session_header": session_header,
+    }  # fmt: skip
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        settings = RouterSettings.from_file(config, **overrides) if config else RouterSettings(**overrides)
+    except AgentKVError as exc:
+        _fail(exc)
+    except ValidationError as exc:
+        console.print(f"[bold red]invalid router settings:[/]\n{exc}")
+        raise typer.Exit(2) from None
+    run_router(settings)
+
+
+@app.command()
+def demo(
+    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = 4,
+    conversations: Annotated[int, typer.Option(help="Conversations per leg.")] = 2,
+    keep: Annotated[bool, typer.Option(help="Leave the cluster running afterwards.")] = False,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results as JSON.")] = None,
+) -> None:
+    """Build the tiny model, start 1P1D + routers, run an agent with reuse OFF then ON, show turn stats."""
+    from agentkv._demo import run_demo
+
+    try:
+        result = run_demo(turns=turns, conversations=conversations, keep=keep, console=Console())
+    except AgentKVError as exc:
+        _fail(exc)
+    if json_out is not None:
+        json_out.write_text(json.dumps(result, indent=2))
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""A local xPyD cluster (default 1P1D) plus the router, described by one ``ClusterConfig``.
+
+``agentkv up`` starts it and writes a state file so ``agentkv down`` (another process) can stop it; tests and
+the demo use ``Cluster`` as a context manager in-process. Ports: prefill i -> ``prefill_port + i``,
+decode i -> ``decode_port + i``; NIXL side channels 5600+i / 5700+i; our connector's service at
+HTTP port + 1000.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from agentkv._constants import (
+    DEFAULT_DECODE_PORT,
+    DEFAULT_PREFILL_PORT,
+    DEFAULT_ROUTER_PORT,
+    LEASE_PORT_OFFSET,
+)
+from agentkv._exceptions import ConfigError, EngineStartError
+from agentkv.server._launcher import Device, Engine, EngineSpec, detect_device, kill_group, port_in_use, tail
+
+__all__ = ["Cluster", "ClusterConfig", "stop_from_state"]
+
+DEFAULT_STATE = Path(".agentkv/cluster.json")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    model: str
+    n_prefill: int = 1
+    n_decode: int = 1
+    host: str = "127.0.0.1"
+    prefill_port: int = DEFAULT_PREFILL_PORT
+    decode_port: int = DEFAULT_DECODE_PORT
+    router_port: int | None = DEFAULT_ROUTER_PORT  # None: no router
+    device: Device | None = None  # None: detect from the installed vLLM
+    bidirectional: bool = True
+    prefill_prefix_caching: bool = True
+    decode_prefix_caching: bool = True
+    agentkv_connector: bool = True
+    lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_recompute_threshold: int = 64
+    prefix_check: bool = True
+    cost_model: bool = True
+    max_model_len: int = 8192
+    block_size: int | None = None
+    log_dir: Path = Path(".agentkv/logs")
+    router_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    extra_kv_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_prefill < 1 or self.n_decode < 1:
+            raise ConfigError("a cluster needs at least one prefill and one decode")
+        self.log_dir = Path(self.log_dir)
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"cluster config {p} does not exist")
+        try:
+            data = tomllib.loads(p.read_text()) if p.suffix == ".toml" else json.loads(p.read_text())
+        except (ValueError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot parse {p}: {exc}") from exc
+        data = data.get("cluster", data)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(
+                f"unknown keys in {p}: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+            )
+        return cls(**{**data, **{k: v for k, v in overrides.items() if v is not None}})
+
+    def specs(self) -> list[tuple[str, EngineSpec]]:
+        device = self.device or detect_device()
+        ncpu = os.cpu_count() or 1
+        common: dict[str, Any] = dict(
+            model=self.model,
+            host=self.host,
+            device=device,
+            bidirectional=self.bidirectional,
+            use_agentkv_connector=self.agentkv_connector,
+            lease_s=self.lease_s,
+            max_lease_s=self.max_lease_s,
+            decoder_kv_blocks_ttl=self.decoder_kv_blocks_ttl,
+            kv_recompute_threshold=self.kv_recompute_threshold,
+            prefix_check=self.prefix_check,
+            cost_model=self.cost_model,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            extra_args=list(self.extra_args),
+            extra_kv_config=dict(self.extra_kv_config),
+        )
+        out = []
+        for i in range(self.n_prefill):
+            port = self.prefill_port + i
+            out.append(
+                (
+                    f"prefill{i}",
+                    EngineSpec(
+                        role="prefill",
+                        port=port,
+                        side_channel_port=5600 + i,
+                        service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
+                        prefix_caching=self.prefill_prefix_caching,
+                        cpu_core=i % ncpu if device == "cpu" else None,
+                        log_path=self.log_dir / f"prefill{i}.log",
+                        **common,
+                    ),
+                )
+            )
+        for i in range(self.n_decode):
+            port = self.decode_port + i
+            out.append(
+                (
+                    f"decode{i}",
+                    EngineSpec(
+                        role="decode",
+                        port=port,
+                        side_channel_port=5700 + i,
+                        service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
+                        prefix_caching=self.decode_prefix_caching,
+                        cpu_core=(self.n_prefill + i) % ncpu if device == "cpu" else None,
+                        log_path=self.log_dir / f"decode{i}.log",
+                        **common,
+                    ),
+                )
+            )
+        return out
+
+    @property
+    def router_url(self) -> str | None:
+        return None if self.router_port is None else f"http://{self.host}:{self.router_port}"
+
+
+class Cluster:
+    """Start/stop engines (in parallel) and the router. Use as a context manager or via up()/down()."""
+
+    def __init__(self, *, config: ClusterConfig) -> None:
+        self.config = config
+        self.engines = [Engine(spec=spec, name=name) for name, spec in config.specs()]
+        self.router: subprocess.Popen[bytes] | None = None
+        self.start_seconds: dict[str, float] = {}
+
+    @property
+    def prefills(self) -> list[Engine]:
+        return [e for e in self.engines if e.spec.role == "prefill"]
+
+    @property
+    def decodes(self) -> list[Engine]:
+        return [e for e in self.engines if e.spec.role == "decode"]
+
+    def up(self, *, on_tick: Callable[[str, float], None] | None = None, timeout_s: float = 900) -> None:
+        for e in self.engines:
+            e.check()  # all errors (ports, model, vllm) before anything starts
+        try:
+            for e in self.engines:
+                e.start()
+
+            def wait(e: Engine) -> float:
+                return e.wait_healthy(
+                    timeout_s=timeout_s, on_tick=None if on_tick is None else lambda t: on_tick(e.name, t)
+                )
+
+            with ThreadPoolExecutor(len(self.engines)) as pool:
+                for e, secs in zip(self.engines, pool.map(wait, self.engines), strict=True):
+                    self.start_seconds[e.name] = round(secs, 1)
+            if self.config.router_port is not None:
+                self._start_router()
+        except BaseException:
+            self.down()
+            raise
+
+    def _start_router(self) -> None:
+        cfg = self.config
+        assert cfg.router_port is not None
+        if port_in_use(cfg.host, cfg.router_port):
+            raise EngineStartError(f"router port {cfg.router_port} is already in use")
+        argv = [
+            sys.executable,
+            "-m",
+            "agentkv.cli",
+            "router",
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.router_port),
+        ]
+        for e in self.prefills:
+            argv += ["--prefill", e.spec.url]
+        for e in self.decodes:
+            argv += ["--decode", e.spec.url]
+        log_path = cfg.log_dir / "router.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as log:
+            self.router = subprocess.Popen(
+                argv,
+                env={**os.environ, **cfg.router_env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        import httpx
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.router.poll() is not None:
+                raise EngineStartError("router died during start", log_tail=tail(log_path))
+            try:
+                if httpx.get(f"{cfg.router_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise EngineStartError("router not healthy after 60s", log_tail=tail(log_path))
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            kill_group(self.router.pid, timeout_s=10)
+            self.router.wait(timeout=5)
+            self.router = None
+
+    def down(self) -> None:
+        self.stop_router()
+        for e in self.engines:
+            e.stop()
+
+    def __enter__(self) -> Cluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "router": self.config.router_url,
+            "router_pid": None if self.router is None else self.router.pid,
+            "engines": [
+                {
+                    "name": e.name,
+                    "role": e.spec.role,
+                    "url": e.spec.url,
+                    "service": e.spec.service_url,
+                    "pid": e.pid,
+                    "log": str(e.spec.log_path),
+                    "ready_s": self.start_seconds.get(e.name),
+                }
+                for e in self.engines
+            ],
+            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()},
+        }
+
+    def write_state(self, path: Path = DEFAULT_STATE) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.describe(), indent=2))
+
+
+def stop_from_state(path: Path = DEFAULT_STATE) -> list[str]:
+    """Stop what ``agentkv up`` started (by process group). Returns the names stopped."""
+    if not path.exists():
+        return []
+    state = json.loads(path.read_text())
+    stopped = []
+    if state.get("router_pid"):
+        kill_group(int(state["router_pid"]), timeout_s=10)
+        stopped.append("router")
+    for e in state.get("engines", []):
+        if e.get("pid"):
+            kill_group(int(e["pid"]))
+            stopped.append(e["name"])
+    path.unlink()
+    return stopped

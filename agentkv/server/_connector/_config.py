@@ -1,0 +1,64 @@
+"""Typed view of agentkv's keys in ``kv_connector_extra_config``.
+
+vLLM reads its own keys with ``dict.get`` and no coercion (the string "false" is truthy); ours are coerced
+and validated here so a typo fails the engine at start instead of silently changing behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ConnectorSettings"]
+
+
+def _bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value.lower() in ("1", "true", "yes", "on")
+    if isinstance(value, int):
+        return bool(value)
+    raise ValueError(f"kv_connector_extra_config.{key} must be a boolean, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    service_port: int | None = None  # retention service; None = no service (stock fixed TTL)
+    service_host: str = "127.0.0.1"
+    lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    prefix_check: bool = True  # False reproduces upstream (trusts remote_num_tokens)
+    require_fingerprints: bool = False  # refuse pulls whose params carry no block fingerprints
+    progress_delay_us: int = 1000  # NIXL progress thread sleep; vLLM/NIXL hard-code 0 (a busy core)
+    restore_affinity: bool = True
+    idle_sleep_max_ms: float = 20.0  # back-off while the engine only holds retained blocks; 0 = off
+    cost_model: bool = True  # pull vs recompute from measured rates (static threshold as floor)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = extra or {}
+
+        def get(key: str, default: Any) -> Any:
+            return extra.get(f"agentkv_{key}", default)
+
+        port = get("service_port", None)
+        s = cls(
+            service_port=None if port in (None, "", 0) else int(port),
+            service_host=str(get("service_host", cls.service_host)),
+            lease_s=float(get("lease_s", cls.lease_s)),
+            max_lease_s=float(get("max_lease_s", cls.max_lease_s)),
+            prefix_check=_bool(get("prefix_check", cls.prefix_check), "agentkv_prefix_check"),
+            require_fingerprints=_bool(
+                get("require_fingerprints", cls.require_fingerprints), "agentkv_require_fingerprints"
+            ),
+            progress_delay_us=int(get("progress_delay_us", cls.progress_delay_us)),
+            restore_affinity=_bool(get("restore_affinity", cls.restore_affinity), "agentkv_restore_affinity"),
+            idle_sleep_max_ms=float(get("idle_sleep_max_ms", cls.idle_sleep_max_ms)),
+            cost_model=_bool(get("cost_model", cls.cost_model), "agentkv_cost_model"),
+        )
+        if s.lease_s <= 0 or s.max_lease_s < s.lease_s:
+            raise ValueError("need 0 < agentkv_lease_s <= agentkv_max_lease_s")
+        if s.progress_delay_us < 0 or s.idle_sleep_max_ms < 0:
+            raise ValueError("agentkv_progress_delay_us and agentkv_idle_sleep_max_ms must be >= 0")
+        return s

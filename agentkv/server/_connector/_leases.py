@@ -1,0 +1,131 @@
+"""Decode-side leases on retained blocks: an I/O-free table shared by the scheduler and the HTTP service.
+
+vLLM pins a finished request's blocks on decode for a fixed ``decoder_kv_blocks_ttl`` (480 s) whether or not
+another turn will come. We pin for a short lease instead; the router renews it while the conversation is
+alive and releases it when the conversation closes. Deadlines are on the scheduler process's
+``perf_counter`` clock because that is the clock vLLM ships with ``reqs_to_send`` and the one prefill's
+clock offset (measured at handshake) refers to.
+
+Thread model: the HTTP service thread only *reads* snapshots and *queues* operations; the scheduler thread
+applies them in ``build_connector_meta`` (the only place vLLM lets us change deadlines safely).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["LeaseTable", "Retained"]
+
+
+@dataclass
+class Retained:
+    request_id: str
+    params: dict[str, Any]
+    deadline: float
+    num_tokens: int
+
+
+@dataclass
+class _Pending:
+    renew: dict[str, float] = field(default_factory=dict)
+    release: set[str] = field(default_factory=set)
+
+
+class LeaseTable:
+    def __init__(self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float]) -> None:
+        if lease_s <= 0 or max_lease_s < lease_s:
+            raise ValueError(f"need 0 < lease_s <= max_lease_s, got {lease_s}, {max_lease_s}")
+        self.lease_s = lease_s
+        self.max_lease_s = max_lease_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._retained: dict[str, Retained] = {}
+        self._pending = _Pending()
+
+    # --- scheduler thread ------------------------------------------------------------------------------
+    def add(self, request_id: str, params: dict[str, Any], num_tokens: int) -> float:
+        deadline = self._clock() + self.lease_s
+        with self._lock:
+            self._retained[request_id] = Retained(request_id, params, deadline, num_tokens)
+        return deadline
+
+    def forget(self, request_id: str) -> None:
+        """The blocks are gone (read by prefill, expired or released): stop advertising them."""
+        with self._lock:
+            self._retained.pop(request_id, None)
+
+    def drain(self) -> dict[str, float]:
+        """Deadline changes to hand to the workers (release = a deadline of now)."""
+        now = self._clock()
+        with self._lock:
+            pending, self._pending = self._pending, _Pending()
+            changes: dict[str, float] = {}
+            for rid, deadline in pending.renew.items():
+                if rid in self._retained:
+                    self._retained[rid].deadline = deadline
+                    changes[rid] = deadline
+            for rid in pending.release:
+                if self._retained.pop(rid, None) is not None:
+                    changes[rid] = now
+            # Drop what expired on its own so lookups never return dead params.
+            for rid in [r for r, v in self._retained.items() if v.deadline <= now]:
+                del self._retained[rid]
+        return changes
+
+    # --- service thread --------------------------------------------------------------------------------
+    def resolve(self, request_id: str) -> str | None:
+        """vLLM turns the router's ``X-Request-Id`` into ``chatcmpl-<id>-<suffix>``: match by containment."""
+        with self._lock:
+            if request_id in self._retained:
+                return request_id
+            for rid in self._retained:
+                if request_id in rid:
+                    return rid
+        return None
+
+    def lookup(self, request_id: str) -> dict[str, Any] | None:
+        rid = self.resolve(request_id)
+        if rid is None:
+            return None
+        with self._lock:
+            r = self._retained.get(rid)
+            if r is None:
+                return None
+            pending = self._pending.renew.get(rid, r.deadline)
+            remaining = pending - self._clock()
+            if remaining <= 0 or rid in self._pending.release:
+                return None
+            params = dict(r.params, remote_blocks_expiry_time=pending)
+            return {
+                "request_id": rid,
+                "kv_transfer_params": params,
+                "expires_in_s": round(remaining, 3),
+                "num_tokens": r.num_tokens,
+            }
+
+    def renew(self, request_id: str, duration_s: float | None) -> dict[str, Any] | None:
+        rid = self.resolve(request_id)
+        if rid is None:
+            return None
+        d = self.lease_s if duration_s is None else max(0.0, min(float(duration_s), self.max_lease_s))
+        with self._lock:
+            if rid not in self._retained:
+                return None
+            self._pending.renew[rid] = self._clock() + d
+        return self.lookup(rid)
+
+    def release(self, request_id: str) -> bool:
+        rid = self.resolve(request_id)
+        if rid is None:
+            return False
+        with self._lock:
+            self._pending.release.add(rid)
+            self._pending.renew.pop(rid, None)
+        return True
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._retained)

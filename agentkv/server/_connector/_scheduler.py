@@ -1,0 +1,216 @@
+"""Scheduler-side extensions (runs in vLLM's engine-core process, on prefill and on decode).
+
+Decode: retained blocks get a short lease (``LeaseTable``) instead of the fixed ``decoder_kv_blocks_ttl``,
+advertised with token-exact block fingerprints through the retention service. Prefill: before a pull, the
+remote params are trimmed to the longest whole-block prefix whose fingerprints match this prompt, so a
+history that was edited, regenerated or stripped costs a recompute instead of a wrong answer. Both: the
+engine does not spin while it merely holds blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from agentkv.server._connector._config import ConnectorSettings
+from agentkv.server._connector._cost import PullCostModel
+from agentkv.server._connector._hashing import block_fingerprints, tail_fingerprint, verified_tokens
+from agentkv.server._connector._leases import LeaseTable
+from agentkv.server._connector._service import RetentionService
+from agentkv.server._connector._vllm import NixlPullConnectorScheduler
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["AgentKVScheduler"]
+
+logger = logging.getLogger("agentkv.connector")
+FINGERPRINTS = "agentkv_block_hashes"
+TAIL = "agentkv_tail_hash"
+RETAIN = "agentkv_retain"
+
+
+class AgentKVScheduler(NixlPullConnectorScheduler):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        self.agentkv = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        self.is_decode = ktc.kv_role == "kv_consumer"
+        self.leases: LeaseTable | None = None
+        self.stats: dict[str, int] = {
+            "pulls": 0, "recomputes": 0, "tokens_offered": 0, "tokens_pulled": 0,
+            "tokens_trimmed": 0, "refused_mismatch": 0, "refused_unverified": 0, "retained": 0,
+        }  # fmt: skip
+        self.cost = PullCostModel(
+            static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
+        )
+        self.cost.bytes_per_token = _kv_bytes_per_token(kv_cache_config, self.block_size)
+        self._awaiting: set[str] = set()  # pulls in flight: never sleep while one is pending
+        self._last_step: tuple[float, int] | None = None
+        self._idle_sleep = 0.0
+        if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
+            self.leases = LeaseTable(
+                lease_s=self.agentkv.lease_s, max_lease_s=self.agentkv.max_lease_s, clock=time.perf_counter
+            )
+        self.service: RetentionService | None = None
+        if self.agentkv.service_port:
+            self.service = RetentionService(
+                # `is not None`, not `or`: an empty LeaseTable is falsy (it has __len__).
+                table=self.leases
+                if self.leases is not None
+                else LeaseTable(lease_s=1, max_lease_s=1, clock=time.perf_counter),
+                host=self.agentkv.service_host,
+                port=self.agentkv.service_port,
+                info=self._info,
+            )
+            self.service.start()
+
+    def _info(self) -> dict[str, Any]:
+        import vllm
+
+        return {
+            "engine_id": self.engine_id,
+            "role": "decode" if self.is_decode else "prefill",
+            "leases": self.leases is not None,
+            "lease_s": self.agentkv.lease_s,
+            "max_lease_s": self.agentkv.max_lease_s,
+            "fixed_ttl_s": None if self.leases else self.decoder_kv_blocks_ttl,
+            "block_size": self.block_size,
+            "prefix_check": self.agentkv.prefix_check,
+            "stats": dict(self.stats),
+            "cost_model": self.cost.snapshot(),
+            "vllm_version": vllm.__version__,
+        }
+
+    # --- prefill: verify and trim what decode offers ------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        offered = params and params.get("do_remote_decode") and params.get("remote_block_ids")
+        if params and offered and "_agentkv_checked" not in params:
+            params["_agentkv_checked"] = True
+            self._check_offer(request, params, num_computed_tokens)
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if is_async and params and params.get("do_remote_decode"):
+            self._awaiting.add(request.request_id)
+        return count, is_async
+
+    def _check_offer(self, request: Request, params: dict[str, Any], num_computed: int) -> None:
+        offered = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        self.stats["tokens_offered"] += offered
+        verified = offered
+        theirs = params.get(FINGERPRINTS)
+        if self.agentkv.prefix_check:
+            if theirs is None:
+                if self.agentkv.require_fingerprints:
+                    verified = 0
+                    self.stats["refused_unverified"] += 1
+            else:
+                prompt = request.prompt_token_ids or []
+                verified = verified_tokens(prompt, self.block_size, offered, theirs, params.get(TAIL))
+                if verified < offered:
+                    self.stats["tokens_trimmed"] += offered - verified
+                    self.stats["refused_mismatch"] += 1
+        pull_tokens = verified - num_computed
+        pull = pull_tokens > 0 and self.cost.should_pull(
+            pull_tokens=pull_tokens,
+            new_tokens=request.num_prompt_tokens - max(verified, num_computed),
+            context=request.num_prompt_tokens,
+        )
+        allowed = verified if pull else 0
+        if allowed < offered:
+            # Trim in place: vLLM reads remote_num_tokens and remote_block_ids from these params.
+            n_blocks = -(-allowed // self.block_size)
+            params["remote_num_tokens"] = allowed
+            params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
+        self.stats["pulls" if pull else "recomputes"] += 1
+        self.stats["tokens_pulled"] += max(0, allowed - num_computed)
+        logger.info(
+            "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
+            "estimate=%s",
+            request.request_id, request.num_prompt_tokens, offered, verified, num_computed, pull,
+            self.cost.last_estimate,
+        )  # fmt: skip
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if params and params.get(RETAIN) and self.is_bidirectional_kv_xfer_enabled:
+            # Decode-local turns never pass through P, so vLLM would not track them for sending; without
+            # this the worker ignores their deadline and the retained blocks would never be freed.
+            self._reqs_in_batch.add(request.request_id)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # --- decode: lease instead of a fixed TTL -----------------------------------------------------------
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, block_ids)
+        if delay and params and params.get("do_remote_decode") and self.is_decode:
+            n = int(params.get("remote_num_tokens") or 0)
+            params[FINGERPRINTS] = block_fingerprints(request.all_token_ids, self.block_size, limit_tokens=n)
+            params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
+            self.stats["retained"] += 1
+            if self.leases is not None:
+                deadline = self.leases.add(request.request_id, params, n)
+                self._reqs_need_send[request.request_id] = deadline
+                params["remote_blocks_expiry_time"] = deadline
+        return delay, params
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        if self.leases is not None:
+            self._reqs_need_send.update(self.leases.drain())
+        now = time.perf_counter()
+        if self._last_step is not None:
+            self.cost.observe_step(tokens=self._last_step[1], seconds=now - self._last_step[0])
+        self._last_step = (now, scheduler_output.total_num_scheduled_tokens)
+        meta = super().build_connector_meta(scheduler_output)
+        self._maybe_idle(scheduler_output)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        for rid in connector_output.finished_recving or ():
+            self._awaiting.discard(rid)
+        for rid in connector_output.failed_recving or ():
+            self._awaiting.discard(rid)
+        if self.leases is not None:
+            for rid in connector_output.finished_sending or ():
+                self.leases.forget(rid)
+        stats = connector_output.kv_connector_stats
+        if stats is not None and not stats.is_empty():
+            self.cost.observe_transfer(stats.data)
+
+    def _maybe_idle(self, scheduler_output: SchedulerOutput) -> None:
+        """Back off while nothing is scheduled and no pull is in flight.
+
+        vLLM keeps stepping empty batches while a finished request's blocks are retained (hundreds of steps
+        a second, a whole core on a 2-core machine, starving the other server). The sleep grows from 0.5 ms
+        to ``idle_sleep_max_ms`` and resets as soon as work arrives; a request arriving meanwhile waits at
+        most one sleep.
+        """
+        cap = self.agentkv.idle_sleep_max_ms / 1000.0
+        if cap <= 0 or scheduler_output.total_num_scheduled_tokens > 0 or self._awaiting:
+            self._idle_sleep = 0.0
+            return
+        self._idle_sleep = min(cap, max(0.0005, self._idle_sleep * 2))
+        time.sleep(self._idle_sleep)
+
+    def shutdown(self) -> None:
+        if self.service is not None:
+            self.service.stop()
+        super().shutdown()
+
+
+def _kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float | None:
+    """KV bytes one token occupies across all layers (what a pull moves per token)."""
+    try:
+        total = sum(int(t.size) for t in kv_cache_config.kv_cache_tensors)
+        return total / kv_cache_config.num_blocks / block_size
+    except (AttributeError, ZeroDivisionError, TypeError):
+        return None

@@ -1,0 +1,17 @@
+"""The vLLM classes we extend, imported in one place (vLLM 0.24-0.33 keep them in the ``nixl`` package)."""
+
+from __future__ import annotations
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import (
+    NixlBaseConnector,
+    NixlPullConnector,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+__all__ = [
+    "NixlBaseConnector",
+    "NixlPullConnector",
+    "NixlPullConnectorScheduler",
+    "NixlPullConnectorWorker",
+]

@@ -1,0 +1,72 @@
+"""Worker-side extensions: make NIXL behave on CPU without patching installed packages.
+
+Two problems recorded in shared/docs/cpu-engine.md: (1) the NIXL agent's progress thread is created with a
+hard-coded 0 µs delay and busy-spins a core per server; (2) vLLM's CPU path pins the worker thread of every
+instance to the same "last core", so a decode that spins starves prefill's worker and the D -> P pull stalls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from agentkv.server._connector._config import ConnectorSettings
+from agentkv.server._connector._vllm import NixlPullConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+__all__ = ["AgentKVWorker", "progress_thread_delay"]
+
+logger = logging.getLogger("agentkv.connector")
+
+
+@contextlib.contextmanager
+def progress_thread_delay(delay_us: int) -> Iterator[None]:
+    """While active, NIXL agents are created with a progress-thread delay of at least ``delay_us``.
+
+    The nixl Python API assigns ``pthrDelay = 0`` on its config object before creating the agent; we hand it
+    a config subclass whose setter keeps our floor. Scoped to this process and restored on exit.
+    """
+    from vllm.distributed import nixl_utils
+
+    wrapper = nixl_utils.NixlWrapper
+    bind = getattr(sys.modules.get(getattr(wrapper, "__module__", ""), None), "nixlBind", None)
+    if delay_us <= 0 or bind is None:
+        yield
+        return
+    base = bind.nixlAgentConfig
+
+    class _Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return int(base.pthrDelay.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(int(value), delay_us))
+
+    bind.nixlAgentConfig = _Config
+    try:
+        yield
+    finally:
+        bind.nixlAgentConfig = base
+
+
+class AgentKVWorker(NixlPullConnectorWorker):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        affinity: Any = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        with progress_thread_delay(settings.progress_delay_us):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        if settings.restore_affinity and affinity is not None and os.sched_getaffinity(0) != affinity:
+            # vLLM pinned this thread to the last core of each NUMA node, the same core for every instance.
+            os.sched_setaffinity(0, affinity)
+            logger.info("agentkv restored worker CPU affinity to %s", sorted(affinity))

