@@ -112,9 +112,12 @@ class LeaseTable:
             return None
         d = self.lease_s if duration_s is None else max(0.0, min(float(duration_s), self.max_lease_s))
         with self._lock:
-            if rid not in self._retained:
+            r = self._retained.get(rid)
+            if r is None or rid in self._pending.release:
                 return None
-            self._pending.renew[rid] = self._clock() + d
+            # A renewal only ever extends: prefill may already hold params promising the old deadline.
+            current = self._pending.renew.get(rid, r.deadline)
+            self._pending.renew[rid] = max(current, self._clock() + d)
         return self.lookup(rid)
 
     def release(self, request_id: str) -> bool:

@@ -9,8 +9,10 @@ engine does not spin while it merely holds blocks.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
+import urllib.request
 from typing import TYPE_CHECKING, Any
 
 from agentkv.server._connector._config import ConnectorSettings
@@ -33,6 +35,7 @@ __all__ = ["AgentKVScheduler"]
 logger = logging.getLogger("agentkv.connector")
 FINGERPRINTS = "agentkv_block_hashes"
 TAIL = "agentkv_tail_hash"
+SERVICE = "agentkv_service"
 RETAIN = "agentkv_retain"
 
 
@@ -46,7 +49,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.leases: LeaseTable | None = None
         self.stats: dict[str, int] = {
             "pulls": 0, "recomputes": 0, "tokens_offered": 0, "tokens_pulled": 0,
-            "tokens_trimmed": 0, "refused_mismatch": 0, "refused_unverified": 0, "retained": 0,
+            "tokens_trimmed": 0, "refused_mismatch": 0, "refused_unverified": 0, "refused_released": 0,
+            "retained": 0,
         }  # fmt: skip
         self.cost = PullCostModel(
             static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
@@ -106,7 +110,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.stats["tokens_offered"] += offered
         verified = offered
         theirs = params.get(FINGERPRINTS)
-        if self.agentkv.prefix_check:
+        if self.agentkv.prefix_check and not self._still_held(params):
+            verified = 0
+            self.stats["refused_released"] += 1
+        elif self.agentkv.prefix_check:
             if theirs is None:
                 if self.agentkv.require_fingerprints:
                     verified = 0
@@ -138,6 +145,25 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self.cost.last_estimate,
         )  # fmt: skip
 
+    def _still_held(self, params: dict[str, Any]) -> bool:
+        """Ask decode whether the blocks are still leased, and refresh the deadline prefill will check.
+
+        A lease can be released or expire after the router fetched these params; reading freed (possibly
+        reused) blocks would silently compute with wrong KV. Decode's vLLM never checks a read, so prefill
+        asks first. Params without a service (stock decode) keep vLLM's own expiry check.
+        """
+        service = params.get(SERVICE)
+        if not service:
+            return True
+        rid = params.get("remote_request_id")
+        try:
+            with urllib.request.urlopen(f"{service}/agentkv/v1/retained/{rid}", timeout=1.0) as r:
+                fresh = json.loads(r.read())["kv_transfer_params"]
+        except (OSError, ValueError, KeyError):
+            return False
+        params["remote_blocks_expiry_time"] = fresh.get("remote_blocks_expiry_time")
+        return True
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -157,6 +183,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
             self.stats["retained"] += 1
             if self.leases is not None:
+                svc = self.service
+                if svc is not None:
+                    params[SERVICE] = f"http://{self.agentkv.service_host}:{svc.port}"
                 deadline = self.leases.add(request.request_id, params, n)
                 self._reqs_need_send[request.request_id] = deadline
                 params["remote_blocks_expiry_time"] = deadline

@@ -1,0 +1,79 @@
+"""Backends: the immutable `Backend` value object and the mutable state the router tracks for each."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any, Literal
+
+__all__ = ["Backend", "BackendPool", "BackendState", "Registration"]
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Backend:
+    """One vLLM server. `control_url` is the decode retention service (decode only)."""
+
+    name: str
+    role: Role
+    url: str
+    control_url: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Registration:
+    """Which incarnation of a decode engine holds blocks; blocks from another one are gone."""
+
+    engine_id: str | None
+    generation: Any = None
+
+    @classmethod
+    def of_params(cls, params: dict[str, Any]) -> Registration:
+        return cls(
+            engine_id=params.get("remote_engine_id"), generation=params.get("remote_registration_generation")
+        )
+
+    def matches(self, other: Registration) -> bool:
+        if self.engine_id is not None and other.engine_id is not None and self.engine_id != other.engine_id:
+            return False
+        # Generations are only comparable when both sides report one (vLLM < 0.33 reports none).
+        return self.generation is None or other.generation is None or self.generation == other.generation
+
+
+@dataclasses.dataclass(kw_only=True)
+class BackendState:
+    backend: Backend
+    healthy: bool = True
+    outstanding: int = 0
+    # None until probed: whether decode runs our retention service (leases) or stock vLLM (fixed TTL).
+    retention: bool | None = None
+    lease_s: float | None = None
+    registration: Registration | None = None
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+    def saw_registration(self, registration: Registration) -> None:
+        if registration.engine_id is not None:
+            self.registration = registration
+
+
+class BackendPool:
+    """All backends of one role, by name, in configuration order."""
+
+    def __init__(self, *, backends: list[Backend]) -> None:
+        self._states = {b.name: BackendState(backend=b) for b in backends}
+
+    def __iter__(self) -> Iterator[BackendState]:
+        return iter(self._states.values())
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, name: str | None) -> BackendState | None:
+        return self._states.get(name) if name is not None else None
+
+    def healthy(self) -> list[BackendState]:
+        return [s for s in self._states.values() if s.healthy]

@@ -1,0 +1,89 @@
+"""Background health checks: dead backends leave the rotation, recovered ones come back."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httpx
+
+from ._backend import BackendPool, BackendState
+from ._lease import LeaseClient
+from ._metrics import RouterMetrics
+
+__all__ = ["HealthChecker"]
+
+logger = logging.getLogger("agentkv.router")
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        *,
+        client: httpx.AsyncClient,
+        prefill: BackendPool,
+        decode: BackendPool,
+        leases: LeaseClient,
+        metrics: RouterMetrics,
+        timeout_s: float,
+    ) -> None:
+        self._client = client
+        self._prefill = prefill
+        self._decode = decode
+        self._leases = leases
+        self._metrics = metrics
+        self._timeout = httpx.Timeout(timeout_s)
+        self.models: list[dict[str, Any]] | None = None
+
+    async def check_once(self) -> None:
+        await asyncio.gather(*(self._check(s) for s in (*self._prefill, *self._decode)))
+        for state in self._decode:
+            if state.healthy:
+                await self.refresh_models(state)
+                break
+        self.publish()
+
+    def publish(self) -> None:
+        self._metrics.healthy_backends.labels(role="prefill").set(len(self._prefill.healthy()))
+        self._metrics.healthy_backends.labels(role="decode").set(len(self._decode.healthy()))
+
+    async def _check(self, state: BackendState) -> None:
+        try:
+            resp = await self._client.get(f"{state.backend.url}/health", timeout=self._timeout)
+            ok = resp.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok != state.healthy:
+            logger.warning(
+                "backend %s (%s) is now %s", state.name, state.backend.role, "up" if ok else "down"
+            )
+            if not ok:
+                self._metrics.backend_errors.labels(role=state.backend.role, kind="health").inc()
+        state.healthy = ok
+        if ok and state.backend.role == "decode":
+            # Re-probe every round: a restarted decode has a new engine id, which voids old blocks.
+            await self._leases.probe(state)
+
+    async def refresh_models(self, state: BackendState) -> list[dict[str, Any]] | None:
+        try:
+            resp = await self._client.get(f"{state.backend.url}/v1/models", timeout=self._timeout)
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            data = None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            self.models = [m for m in data["data"] if isinstance(m, dict)]
+        return self.models
+
+    def model_ids(self) -> set[str] | None:
+        if self.models is None:
+            return None
+        return {m["id"] for m in self.models if isinstance(m.get("id"), str)}
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except Exception:  # a bug in one round must not stop health checking for good
+                logger.exception("health check round failed")
+            await asyncio.sleep(interval_s)

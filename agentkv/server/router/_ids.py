@@ -1,0 +1,127 @@
+"""Conversation ids, tenants and request validation: everything checked before any state is touched."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+import uuid
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from agentkv._constants import ALT_SESSION_HEADERS, BODY_ID_FIELDS, CONVERSATION_ID_PATTERN
+
+from ._errors import client_error
+
+__all__ = [
+    "Endpoint",
+    "conversation_key",
+    "extract_conversation_id",
+    "new_request_id",
+    "parse_body",
+    "tenant_of",
+    "validate_conversation_id",
+]
+
+Endpoint = Literal["chat", "completions"]
+
+_ID_RE = re.compile(CONVERSATION_ID_PATTERN)
+_NO_TENANT = "-"
+
+
+def new_request_id() -> str:
+    """The id the router sends to P and D as X-Request-Id (and the retention service looks up)."""
+    return f"agentkv-{uuid.uuid4().hex}"
+
+
+def extract_conversation_id(
+    headers: Mapping[str, str], body: dict[str, Any], *, session_header: str
+) -> str | None:
+    """First match wins: session header, x-conversation-id, then the body fields. Invalid ids are a 400."""
+    for name in (session_header, *ALT_SESSION_HEADERS):
+        if name in headers:
+            return validate_conversation_id(headers[name], name)
+    for field in BODY_ID_FIELDS:
+        if field in body and body[field] is not None:
+            return validate_conversation_id(body[field], field)
+    return None
+
+
+def validate_conversation_id(value: Any, where: str) -> str:
+    # fullmatch, not match: `$` would accept a trailing newline.
+    if not isinstance(value, str) or not _ID_RE.fullmatch(value):
+        raise client_error(
+            400,
+            f"invalid conversation id in {where}: expected 1-128 characters of [A-Za-z0-9._:-]",
+            param=where,
+            code="invalid_conversation_id",
+        )
+    return value
+
+
+def tenant_of(authorization: str | None, api_keys: frozenset[str]) -> str:
+    """The tenant a request belongs to: a hash of its API key, or one shared tenant without keys."""
+    if not api_keys:
+        return _NO_TENANT
+    scheme, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    # Compare against every key so the time taken does not depend on which one matched.
+    ok = False
+    for key in api_keys:
+        ok |= hmac.compare_digest(token.encode(), key.encode())
+    if scheme.lower() != "bearer" or not token or not ok:
+        raise client_error(401, "missing or invalid API key", code="invalid_api_key")
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def conversation_key(tenant: str, conversation_id: str) -> str:
+    # '/' cannot appear in a valid conversation id, so the pair is unambiguous.
+    return f"{tenant}/{conversation_id}"
+
+
+def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """Decode and type-check the fields the router relies on; the engine validates the rest."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise client_error(400, "request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise client_error(400, "request body must be a JSON object")
+    if endpoint == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise client_error(400, "'messages' must be a non-empty array", param="messages")
+        for msg in messages:
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                raise client_error(
+                    400, "each message must be an object with a string 'role'", param="messages"
+                )
+    else:
+        prompt = body.get("prompt")
+        if not _is_prompt(prompt):
+            raise client_error(400, "'prompt' must be a string or an array of strings/tokens", param="prompt")
+    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
+        raise client_error(400, "'model' must be a string", param="model")
+    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
+        raise client_error(400, "'stream' must be a boolean", param="stream")
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = body.get(field)
+        if value is not None and (type(value) is not int or value < 1):
+            raise client_error(400, f"'{field}' must be a positive integer", param=field)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise client_error(400, "'stream_options' must be an object", param="stream_options")
+    return body
+
+
+def _is_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    if all(type(p) is int for p in prompt):
+        return True
+    return all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt)

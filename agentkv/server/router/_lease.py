@@ -1,0 +1,77 @@
+"""Client for decode's retention service (docs/protocol.md section 2): info, retained lookup, leases."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from ._backend import BackendState, Registration
+
+__all__ = ["LeaseClient", "Retained"]
+
+Retained = dict[str, Any]  # the service's answer: request_id, kv_transfer_params, expires_in_s, num_tokens
+
+
+class LeaseClient:
+    """Talks to `control_url` of each decode. Every failure maps to None/False: leases are an
+    optimisation, so a missing or broken service never fails a client's turn."""
+
+    def __init__(self, *, client: httpx.AsyncClient, timeout_s: float, retries: int = 3) -> None:
+        self._client = client
+        self._timeout = httpx.Timeout(timeout_s)
+        self._retries = retries
+
+    async def _call(self, method: str, url: str, json: Any = None) -> httpx.Response | None:
+        try:
+            return await self._client.request(method, url, json=json, timeout=self._timeout)
+        except httpx.HTTPError:
+            return None
+
+    async def probe(self, decode: BackendState) -> bool:
+        """Learn whether decode runs our service; remember its engine registration and lease length."""
+        url = decode.backend.control_url
+        resp = await self._call("GET", f"{url}/agentkv/v1/info") if url else None
+        info = _json(resp) if resp is not None and resp.status_code == 200 else None
+        decode.retention = info is not None
+        if info is not None:
+            lease_s = info.get("lease_s")
+            decode.lease_s = float(lease_s) if isinstance(lease_s, (int, float)) else None
+            engine_id = info.get("engine_id")
+            if isinstance(engine_id, str):
+                decode.saw_registration(
+                    Registration(engine_id=engine_id, generation=info.get("registration_generation"))
+                )
+        return decode.retention
+
+    async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
+        """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the
+        stream's last byte by a scheduler step or two."""
+        url = f"{decode.backend.control_url}/agentkv/v1/retained/{request_id}"
+        for attempt in range(self._retries):
+            resp = await self._call("GET", url)
+            if resp is not None and resp.status_code == 200:
+                data = _json(resp)
+                if data is not None and isinstance(data.get("kv_transfer_params"), dict):
+                    return data
+            if attempt + 1 < self._retries:
+                await asyncio.sleep(0.02 * (attempt + 1))
+        return None
+
+    async def renew(self, decode: BackendState, request_id: str, duration_s: float) -> Retained | None:
+        url = f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}/renew"
+        resp = await self._call("POST", url, json={"duration_s": duration_s})
+        return _json(resp) if resp is not None and resp.status_code == 200 else None
+
+    async def release(self, decode: BackendState, request_id: str) -> bool:
+        resp = await self._call("DELETE", f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}")
+        return resp is not None and resp.status_code == 200
+
+
+def _json(resp: httpx.Response) -> dict[str, Any] | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,48 @@
+"""Prometheus metrics, in a registry owned by one app (two apps in one process never share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["RouterMetrics"]
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.turns = Counter("agentkv_turns", "Turns served, by path", ["path"], registry=r)
+        self.reuse = Counter("agentkv_reuse", "Reuse outcome per turn", ["result"], registry=r)
+        self.reused_tokens = Counter("agentkv_reused_tokens", "Prompt tokens not recomputed", registry=r)
+        self.path_decisions = Counter(
+            "agentkv_path_decisions", "Path chosen by the policy", ["path"], registry=r
+        )
+        self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)
+        self.lease_releases = Counter("agentkv_lease_releases", "Decode leases released", registry=r)
+        self.backend_errors = Counter(
+            "agentkv_backend_errors", "Errors talking to engines", ["role", "kind"], registry=r
+        )
+        self.kv_params_dropped = Counter(
+            "agentkv_client_kv_params_dropped", "Client-supplied kv_transfer_params dropped", registry=r
+        )
+        self.prefill_seconds = Histogram(
+            "agentkv_prefill_seconds", "Prefill hop duration", buckets=_BUCKETS, registry=r
+        )
+        self.decode_seconds = Histogram(
+            "agentkv_decode_seconds", "Decode hop duration (to the last byte)", buckets=_BUCKETS, registry=r
+        )
+        self.ttft_seconds = Histogram(
+            "agentkv_ttft_seconds", "Router receive to first decode byte", buckets=_BUCKETS, registry=r
+        )
+        self.conversations = Gauge("agentkv_conversations", "Conversations tracked", registry=r)
+        self.healthy_backends = Gauge("agentkv_healthy_backends", "Healthy backends", ["role"], registry=r)
+        for result in ("hit", "miss", "expired", "declined", "mismatch", "none", "local"):
+            self.reuse.labels(result=result)
+        for path in ("pull", "recompute", "decode-local"):
+            self.turns.labels(path=path)
+            self.path_decisions.labels(path=path)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,177 @@
+"""Routing decisions, pure and I/O-free: which P, which D, whether to reuse, and which path a turn takes.
+
+Paths: `pull` (P pulls decode's retained blocks, prefills the suffix, D pulls from P), `recompute` (P
+prefills everything), `decode-local` (the sticky D prefills the suffix from its own prefix cache, no P hop).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from ._backend import BackendState, Registration
+from ._prefix import Prefix
+
+__all__ = [
+    "CostModel",
+    "Line",
+    "Path",
+    "PathDecision",
+    "assess_reuse",
+    "choose_decode",
+    "choose_path",
+    "choose_prefill",
+]
+
+Path = Literal["pull", "recompute", "decode-local"]
+ReuseVerdict = Literal["ok", "miss", "expired", "mismatch"]
+
+
+def choose_prefill(
+    states: Iterable[BackendState], *, exclude: frozenset[str] = frozenset()
+) -> BackendState | None:
+    """The healthy P with the fewest outstanding requests (first configured wins ties)."""
+    candidates = [s for s in states if s.healthy and s.name not in exclude]
+    return min(candidates, key=lambda s: s.outstanding, default=None)
+
+
+def choose_decode(
+    states: Iterable[BackendState],
+    *,
+    sticky: str | None,
+    load_cap: int,
+    exclude: frozenset[str] = frozenset(),
+) -> BackendState | None:
+    """The decode holding this conversation's retained blocks, unless it is unhealthy or over the load
+    cap (pure stickiness loses to load balance under load); else the least-loaded healthy decode."""
+    candidates = [s for s in states if s.healthy and s.name not in exclude]
+    for s in candidates:
+        if s.name == sticky and s.outstanding < load_cap:
+            return s
+    return min(candidates, key=lambda s: s.outstanding, default=None)
+
+
+def assess_reuse(
+    *,
+    retained: dict[str, object] | None,
+    expires_at: float | None,
+    prefix: Prefix | None,
+    body: dict[str, object],
+    decode: BackendState,
+    now: float,
+    margin_s: float,
+) -> ReuseVerdict:
+    """Whether decode's retained blocks may be offered to P for this request."""
+    if not retained or prefix is None:
+        return "miss"
+    if expires_at is None or now + margin_s >= expires_at:
+        return "expired"
+    # A decode restart (or re-registration) frees every block; its old params would make P read garbage.
+    if decode.registration is not None and not decode.registration.matches(Registration.of_params(retained)):
+        return "expired"
+    if not prefix.matches(body):
+        return "mismatch"
+    return "ok"
+
+
+class Line:
+    """Exponentially weighted least squares fit of `ms = fixed + rate * tokens`.
+
+    Fixed costs (an extra HTTP hop, a NIXL handshake) and per-token prefill cost both matter: the
+    break-even suffix length is where the lines cross, so both terms are learned, not assumed."""
+
+    def __init__(self, *, alpha: float = 0.2) -> None:
+        self._alpha = alpha
+        self._n = 0
+        self._x = self._y = self._xx = self._xy = 0.0
+
+    @property
+    def samples(self) -> int:
+        return self._n
+
+    def observe(self, tokens: float, ms: float) -> None:
+        if tokens < 0 or ms < 0 or not math.isfinite(ms):
+            return
+        a = self._alpha if self._n else 1.0
+        self._n += 1
+        self._x += a * (tokens - self._x)
+        self._y += a * (ms - self._y)
+        self._xx += a * (tokens * tokens - self._xx)
+        self._xy += a * (tokens * ms - self._xy)
+
+    def predict(self, tokens: float) -> float | None:
+        if self._n == 0:
+            return None
+        var = self._xx - self._x * self._x
+        if var <= 1e-9 * max(self._xx, 1.0):
+            # All samples at one size: attribute everything to the per-token rate (no fixed cost seen).
+            rate = self._y / self._x if self._x > 0 else 0.0
+            return rate * tokens if self._x > 0 else self._y
+        rate = max((self._xy - self._x * self._y) / var, 0.0)
+        fixed = max(self._y - rate * self._x, 0.0)
+        return fixed + rate * tokens
+
+
+@dataclasses.dataclass(kw_only=True)
+class CostModel:
+    """Measured time-to-first-token per path, and chars per token to estimate a suffix's length."""
+
+    pd: Line = dataclasses.field(default_factory=Line)
+    local: Line = dataclasses.field(default_factory=Line)
+    chars_per_token: float = 4.0  # a prior only; replaced by measurements from usage after one turn
+    _cpt_samples: int = 0
+
+    def observe_chars(self, chars: int, tokens: int | None) -> None:
+        if not tokens or tokens <= 0 or chars <= 0:
+            return
+        sample = chars / tokens
+        a = 0.2 if self._cpt_samples else 1.0
+        self._cpt_samples += 1
+        self.chars_per_token += a * (sample - self.chars_per_token)
+
+    def estimate_tokens(self, chars: int) -> int:
+        return math.ceil(chars / max(self.chars_per_token, 0.1))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PathDecision:
+    path: Path
+    reason: str
+
+
+# Below this many samples a line is a guess; decide by rule until both are measured.
+_MIN_SAMPLES = 3
+
+
+def choose_path(
+    *,
+    policy: str,
+    reuse_ok: bool,
+    new_tokens: int,
+    decode_outstanding: int,
+    local_max_tokens: int,
+    model: CostModel,
+) -> PathDecision:
+    """Pick the cheapest path to the first token for this turn.
+
+    Decode-local prefill stalls every stream running on that decode for the suffix's duration, so its
+    cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local."""
+    if not reuse_ok:
+        return PathDecision(path="recompute", reason="no reusable blocks")
+    if policy == "always-pd":
+        return PathDecision(path="pull", reason="policy always-pd")
+    if policy == "always-local":
+        return PathDecision(path="decode-local", reason="policy always-local")
+    if new_tokens > local_max_tokens:
+        return PathDecision(path="pull", reason=f"suffix ~{new_tokens} tokens > local cap {local_max_tokens}")
+    if model.pd.samples < _MIN_SAMPLES or model.local.samples < _MIN_SAMPLES:
+        if decode_outstanding == 0:
+            return PathDecision(path="decode-local", reason="learning costs; decode idle")
+        return PathDecision(path="pull", reason="learning costs; decode busy")
+    local_ms = (model.local.predict(new_tokens) or 0.0) * (1 + decode_outstanding)
+    pd_ms = model.pd.predict(new_tokens) or 0.0
+    if local_ms <= pd_ms:
+        return PathDecision(path="decode-local", reason=f"local ~{local_ms:.1f} ms <= pd ~{pd_ms:.1f} ms")
+    return PathDecision(path="pull", reason=f"pd ~{pd_ms:.1f} ms < local ~{local_ms:.1f} ms")

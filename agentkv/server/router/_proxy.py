@@ -1,0 +1,346 @@
+"""Orchestration of one turn: choose P and D, pick the path, run the hops, stream D back, remember."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from agentkv._constants import (
+    H_CONVERSATION_ID,
+    H_LEASE_EXPIRES_IN,
+    H_PATH,
+    H_PREFILL_MS,
+    H_REUSE,
+    H_REUSED_TOKENS,
+)
+from agentkv._exceptions import APIStatusError
+
+from ._backend import BackendState
+from ._errors import client_error, error_body
+from ._hops import close_quietly, with_failover
+from ._params import KV_KEY, decode_body, decode_local_body, prefill_body, reusable_tokens, strip_kv_json
+from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
+from ._prefix import prompt_chars
+from ._sse import DONE, EventSplitter, TurnOutput, error_event
+from ._store import ConversationRecord
+from ._turn import TurnBook
+
+__all__ = ["Turn", "TurnRunner"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Turn:
+    """One validated client request, ids already stripped from `body`."""
+
+    api_path: str  # /v1/chat/completions or /v1/completions
+    body: dict[str, Any]
+    conversation_id: str | None
+    key: str | None  # conversation_key(tenant, conversation_id)
+    request_id: str
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+    # Filled in as the turn runs, for headers, the log line and the bookkeeping afterwards.
+    prefill: str = "-"
+    decode: str = "-"
+    path: str = "recompute"
+    reuse: str = "none"
+    reused_tokens: int = 0
+    prompt_tokens: int | None = None
+    prefill_ms: float = 0.0
+    ttft_ms: float | None = None
+    used_retained: bool = False
+    decode_started: float = 0.0
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            H_REUSE: self.reuse,
+            H_REUSED_TOKENS: str(self.reused_tokens),
+            H_PATH: self.path,
+            H_PREFILL_MS: f"{self.prefill_ms:.1f}",
+        }
+        if self.conversation_id:
+            headers[H_CONVERSATION_ID] = self.conversation_id
+        return headers
+
+
+class TurnRunner:
+    def __init__(self, *, book: TurnBook) -> None:
+        self._book = book
+        self._s = book.settings
+
+    async def run(self, turn: Turn) -> Response:
+        stack = contextlib.AsyncExitStack()
+        try:
+            locked = True
+            if turn.key is not None:
+                locked = await stack.enter_async_context(
+                    self._book.store.lock(turn.key, timeout=self._s.conversation_lock_timeout_s)
+                )
+            record = await self._book.store.get(turn.key) if turn.key is not None else None
+            decode, decision = await self._plan(turn, record, locked)
+            try:
+                if decision.path == "decode-local":
+                    resp, decode = await self._decode_local(turn, decode)
+                else:
+                    resp, decode = await self._prefill_then_decode(turn, record, decode)
+            except BaseException:
+                await self._book.failed(turn, record)
+                raise
+            if turn.stream:
+                relay = self._relay(turn, record, decode, resp, stack)
+                stack = contextlib.AsyncExitStack()  # the lock now lives as long as the stream
+                return _RelayResponse(relay, headers=turn.headers())
+            return await self._finish_json(turn, record, decode, resp)
+        finally:
+            await stack.aclose()
+
+    async def _plan(
+        self, turn: Turn, record: ConversationRecord | None, locked: bool
+    ) -> tuple[BackendState, PathDecision]:
+        book = self._book
+        sticky = record.decode if record else None
+        decode = choose_decode(book.decode, sticky=sticky, load_cap=self._s.decode_load_cap)
+        if decode is None:
+            # Checked before prefill: a P hop whose blocks no decode will read only wastes P.
+            raise client_error(503, "no healthy decode engine available", code="no_backend")
+        verdict = "miss"
+        if turn.conversation_id is None:
+            turn.reuse = "none"
+        if record is not None and decode.name == record.decode:
+            if decode.retention is None:
+                await book.leases.probe(decode)
+            verdict = assess_reuse(
+                retained=record.retained,
+                expires_at=record.expires_at,
+                prefix=record.prefix,
+                body=turn.body,
+                decode=decode,
+                now=time.time(),
+                margin_s=self._s.expiry_margin_s,
+            )
+        if not (self._s.reuse and locked):
+            verdict = "miss"
+        if turn.conversation_id is not None:
+            turn.reuse = verdict if verdict != "ok" else "hit"
+        new_chars = (
+            record.prefix.new_chars(turn.body) if record and record.prefix else prompt_chars(turn.body)
+        )
+        decision = choose_path(
+            policy=self._s.path_policy,
+            reuse_ok=verdict == "ok",
+            new_tokens=book.cost.estimate_tokens(new_chars),
+            decode_outstanding=decode.outstanding,
+            local_max_tokens=self._s.decode_local_max_tokens,
+            model=book.cost,
+        )
+        book.decided(turn, decision)
+        turn.path = decision.path
+        return decode, decision
+
+    async def _decode_local(self, turn: Turn, decode: BackendState) -> tuple[httpx.Response, BackendState]:
+        turn.reuse = "local"
+        try:
+            return await self._open_decode(turn, decode_local_body(turn.body), first=decode, failover=False)
+        except APIStatusError as exc:
+            if exc.status_code != 503:
+                raise
+            # The sticky decode is gone, and its blocks with it: recompute through P on another decode.
+            turn.path, turn.reuse = "recompute", "miss"
+            return await self._prefill_then_decode(turn, None, None)
+
+    async def _prefill_then_decode(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState | None
+    ) -> tuple[httpx.Response, BackendState]:
+        book = self._book
+        retained = record.retained if record is not None and turn.path == "pull" else None
+        body = prefill_body(turn.body, retained)
+        # Set before the hop: once P has the params it may have read (and so freed) decode's blocks.
+        turn.used_retained = retained is not None
+        t0 = time.perf_counter()
+        prefill, answer = await with_failover(
+            lambda tried: choose_prefill(book.prefill, exclude=tried),
+            lambda p: book.hops.post_json(
+                p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
+            ),
+            role="prefill",
+            mark_down=self._s.health_interval_s > 0,
+        )
+        turn.prefill_ms = (time.perf_counter() - t0) * 1000
+        book.metrics.prefill_seconds.observe(turn.prefill_ms / 1000)
+        turn.prefill = prefill.name
+        usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
+        prompt_tokens = usage.get("prompt_tokens")
+        turn.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
+        if retained is not None:
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(cached, int):
+                turn.reuse, turn.reused_tokens = ("hit", cached) if cached > 0 else ("declined", 0)
+            else:
+                # P does not say whether it pulled; count the attempt as a hit of what decode held.
+                turn.reused_tokens = reusable_tokens(retained, turn.prompt_tokens)
+        kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
+        return await self._open_decode(turn, decode_body(turn.body, kv), first=decode)
+
+    async def _open_decode(
+        self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True
+    ) -> tuple[httpx.Response, BackendState]:
+        book = self._book
+        s = self._s
+
+        def choose(tried: frozenset[str]) -> BackendState | None:
+            if first is not None and first.name not in tried and first.healthy:
+                return first
+            if not failover:
+                return None
+            return choose_decode(book.decode, sticky=None, load_cap=s.decode_load_cap, exclude=tried)
+
+        async def attempt(d: BackendState) -> httpx.Response:
+            d.outstanding += 1
+            try:
+                first_byte = s.timeouts.decode_first_byte_s if turn.stream else s.timeouts.decode_total_s
+                return await book.hops.open_stream(
+                    d, turn.api_path, body, turn.request_id, first_byte_s=first_byte
+                )
+            except BaseException:
+                d.outstanding -= 1
+                raise
+
+        t0 = time.perf_counter()
+        decode, resp = await with_failover(choose, attempt, role="decode", mark_down=s.health_interval_s > 0)
+        turn.decode = decode.name
+        turn.decode_started = t0
+        return resp, decode
+
+    async def _finish_json(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState, resp: httpx.Response
+    ) -> Response:
+        output = TurnOutput()
+        try:
+            try:
+                content = await resp.aread()
+            except httpx.HTTPError:
+                self._book.metrics.backend_errors.labels(role="decode", kind="protocol").inc()
+                raise client_error(502, "decode engine connection failed", code="upstream_error") from None
+        finally:
+            decode.outstanding -= 1
+            await close_quietly(resp)
+        content, params, obj = strip_kv_json(content)
+        if obj is None:
+            try:
+                obj = json.loads(content)
+            except ValueError:
+                raise client_error(502, "decode engine returned a malformed response") from None
+        output.add_response(obj)
+        output.kv_params = params
+        after = await self._book.finish(turn, record, decode, output)
+        headers = turn.headers()
+        if after is not None and after.lease_state != "none" and after.expires_at is not None:
+            headers[H_LEASE_EXPIRES_IN] = f"{max(after.expires_at - time.time(), 0.0):.1f}"
+        return Response(content, media_type="application/json", headers=headers)
+
+    def _relay(
+        self,
+        turn: Turn,
+        record: ConversationRecord | None,
+        decode: BackendState,
+        resp: httpx.Response,
+        stack: contextlib.AsyncExitStack,
+    ) -> _Relay:
+        return _Relay(book=self._book, turn=turn, record=record, decode=decode, resp=resp, stack=stack)
+
+
+class _Relay:
+    """Decode's stream on its way to the client. `close` runs exactly once, also when the client left
+    before the body started (then the generator never runs, and its `finally` with it)."""
+
+    def __init__(
+        self,
+        *,
+        book: TurnBook,
+        turn: Turn,
+        record: ConversationRecord | None,
+        decode: BackendState,
+        resp: httpx.Response,
+        stack: contextlib.AsyncExitStack,
+    ) -> None:
+        self._book, self._turn, self._record, self._decode = book, turn, record, decode
+        self._resp, self._stack = resp, stack
+        self._output = TurnOutput()
+        self._ok = False
+        self._closed = False
+        self._splitter: EventSplitter | None = None
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Forward decode's events as they complete; never buffer the stream. A break after the first
+        byte ends with one error event and [DONE], so clients never hang."""
+        turn, timeouts = self._turn, self._book.settings.timeouts
+        splitter = self._splitter = EventSplitter(output=self._output)
+        failure: str | None = None
+        try:
+            try:
+                async for data in self._book.hops.iter_stream(
+                    self._resp, first_s=timeouts.decode_first_byte_s, idle_s=timeouts.decode_idle_s
+                ):
+                    if turn.ttft_ms is None:
+                        turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
+                    for event in splitter.feed(data):
+                        yield event
+                for event in splitter.flush():
+                    yield event
+                self._ok = splitter.done
+                failure = None if self._ok else "decode stream ended early"
+            except TimeoutError:
+                failure = "decode engine stopped sending (idle timeout)"
+                self._book.metrics.backend_errors.labels(role="decode", kind="timeout").inc()
+            except httpx.HTTPError:
+                failure = "decode engine connection lost"
+                self._book.metrics.backend_errors.labels(role="decode", kind="stream").inc()
+            if failure is not None:
+                yield error_event(error_body(502, failure, code="stream_interrupted"))
+                yield DONE
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        # Shielded: a client hang-up cancels us, but the lock and the bookkeeping must still finish.
+        await asyncio.shield(self._cleanup())
+
+    async def _cleanup(self) -> None:
+        self._decode.outstanding -= 1
+        await close_quietly(self._resp)
+        try:
+            # Decode's [DONE] counts even if the client hung up right after receiving it (the SDK closes
+            # the response at [DONE], which can cancel this generator before the loop above ends).
+            if self._ok or (self._splitter is not None and self._splitter.done):
+                await self._book.finish(self._turn, self._record, self._decode, self._output)
+            else:
+                await self._book.failed(self._turn, self._record)
+        finally:
+            await self._stack.aclose()
+
+
+class _RelayResponse(StreamingResponse):
+    def __init__(self, relay: _Relay, *, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()

@@ -1,0 +1,113 @@
+"""A `ConversationStore` in Redis, shared by router replicas and surviving router restarts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ._store import ConversationRecord
+
+__all__ = ["RedisStore"]
+
+# Compare-and-set in one round trip: replicas racing on a conversation cannot interleave inside it.
+_CAS = """
+local v = redis.call('HGET', KEYS[1], 'version')
+if (v or '0') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'data', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+return 1
+"""
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class RedisStore:
+    """Keys `<prefix>conv:<tenant>/<conversation_id>` (a hash of version + JSON record), expiring at the
+    lease expiry plus `ttl_margin_s`; conversations without retained blocks expire after `idle_ttl_s`."""
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        prefix: str = "agentkv:",
+        ttl_margin_s: float = 60.0,
+        idle_ttl_s: float = 3600.0,
+        lock_ttl_s: float = 600.0,
+        client: Any = None,
+    ) -> None:
+        import redis.asyncio as redis_asyncio
+
+        self._redis: Any = client or redis_asyncio.Redis.from_url(url, decode_responses=True)
+        self._prefix = prefix
+        self._margin = ttl_margin_s
+        self._idle = idle_ttl_s
+        # A crashed replica's lock must not block a conversation forever; turns are shorter than this.
+        self._lock_ttl_ms = int(lock_ttl_s * 1000)
+        self._cas = self._redis.register_script(_CAS)
+        self._unlock = self._redis.register_script(_UNLOCK)
+
+    def _key(self, key: str) -> str:
+        return f"{self._prefix}conv:{key}"
+
+    async def get(self, key: str) -> ConversationRecord | None:
+        data = await self._redis.hget(self._key(key), "data")
+        if data is None:
+            return None
+        record = ConversationRecord.from_json(json.loads(data))
+        return record
+
+    async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
+        new = ConversationRecord.from_json({**record.to_json(), "version": expected + 1})
+        ttl = self._idle
+        if new.expires_at is not None:
+            ttl = max(new.expires_at - time.time(), 0.0) + self._margin
+        done = await self._cas(
+            keys=[self._key(key)],
+            args=[str(expected), str(expected + 1), json.dumps(new.to_json()), max(math.ceil(ttl), 1)],
+        )
+        return bool(done)
+
+    async def delete(self, key: str) -> ConversationRecord | None:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self._key(key), "data")
+            pipe.delete(self._key(key))
+            data, _ = await pipe.execute()
+        return ConversationRecord.from_json(json.loads(data)) if data is not None else None
+
+    @contextlib.asynccontextmanager
+    async def lock(self, key: str, *, timeout: float) -> AsyncIterator[bool]:
+        name = f"{self._prefix}lock:{key}"
+        token = uuid.uuid4().hex
+        deadline = time.monotonic() + timeout
+        acquired = False
+        delay = 0.005
+        while True:
+            if await self._redis.set(name, token, nx=True, px=self._lock_ttl_ms):
+                acquired = True
+                break
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(min(delay, max(deadline - time.monotonic(), 0)))
+            delay = min(delay * 2, 0.1)
+        try:
+            yield acquired
+        finally:
+            if acquired:
+                await self._unlock(keys=[name], args=[token])
+
+    async def count(self) -> int:
+        n = 0
+        async for _ in self._redis.scan_iter(match=f"{self._prefix}conv:*", count=1000):
+            n += 1
+        return n
+
+    async def aclose(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,194 @@
+"""Router configuration: flags, env (`AGENTKV_*`) and TOML/JSON files all land in one `RouterSettings`."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from agentkv._constants import (
+    DEFAULT_LEASE_S,
+    DEFAULT_MAX_LEASE_S,
+    DEFAULT_ROUTER_PORT,
+    DEFAULT_SESSION_HEADER,
+    LEASE_PORT_OFFSET,
+    VLLM_FIXED_TTL_S,
+)
+from agentkv._exceptions import ConfigError
+
+from ._backend import Backend
+
+__all__ = ["PathPolicy", "RouterSettings", "Timeouts"]
+
+PathPolicy = Literal["auto", "always-pd", "always-local"]
+
+
+class Timeouts(BaseModel):
+    """Deadlines per hop. `decode_idle_s` is per read of a stream, not per response."""
+
+    model_config = {"frozen": True, "extra": "forbid"}
+
+    connect_s: float = Field(default=5.0, gt=0)
+    prefill_s: float = Field(default=120.0, gt=0)
+    decode_first_byte_s: float = Field(default=120.0, gt=0)
+    decode_idle_s: float = Field(default=60.0, gt=0)
+    # A non-streaming decode answers with one body at the end, so it needs a total deadline.
+    decode_total_s: float = Field(default=600.0, gt=0)
+    control_s: float = Field(default=2.0, gt=0)
+
+
+def _split_csv(value: Any) -> Any:
+    # Env vars and CLI flags give "a,b"; files and Python give lists. Accept both.
+    if isinstance(value, str):
+        value = value.strip()
+        if value.startswith("["):
+            return json.loads(value)
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+def _normalise_url(url: str, what: str) -> str:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"invalid {what} URL {url!r}: expected http://host:port")
+    return urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+class RouterSettings(BaseSettings):
+    """Everything the router needs. Build from keyword arguments, env `AGENTKV_*`, or `from_file`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="AGENTKV_", env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_ROUTER_PORT, ge=0, le=65535)
+    prefill: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    decode: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Aligned with `decode`; empty entries mean "HTTP port + LEASE_PORT_OFFSET on the same host".
+    decode_control: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    session_header: str = DEFAULT_SESSION_HEADER
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    api_keys_file: Path | None = None
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, gt=0)
+    max_conversations: int = Field(default=100_000, gt=0)
+    decode_load_cap: int = Field(default=64, gt=0)
+    reuse: bool = True
+    path_policy: PathPolicy = "auto"
+    decode_local_max_tokens: int = Field(default=512, ge=0)
+    lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
+    max_lease_s: float = Field(default=DEFAULT_MAX_LEASE_S, gt=0)
+    vllm_fixed_ttl_s: float = Field(default=VLLM_FIXED_TTL_S, gt=0)
+    # Prefill declines a pull within 5 s of decode's expiry; stay clear of that window.
+    expiry_margin_s: float = Field(default=6.0, ge=0)
+    conversation_lock_timeout_s: float = Field(default=30.0, ge=0)
+    timeouts: Timeouts = Field(default_factory=Timeouts)
+    health_interval_s: float = Field(default=5.0, ge=0)
+    store_url: str | None = None
+    log_level: str = "info"
+
+    @field_validator("prefill", "decode", "decode_control", "api_keys", mode="before")
+    @classmethod
+    def _csv(cls, value: Any) -> Any:
+        return _split_csv(value)
+
+    @field_validator("session_header")
+    @classmethod
+    def _header(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c == "-" for c in value):
+            raise ValueError(f"invalid session header name {value!r}")
+        return value.lower()
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        if value.lower() not in ("critical", "error", "warning", "info", "debug"):
+            raise ValueError(f"invalid log level {value!r}")
+        return value.lower()
+
+    @model_validator(mode="after")
+    def _check(self) -> RouterSettings:
+        if not self.prefill:
+            raise ValueError("at least one --prefill URL is required")
+        if not self.decode:
+            raise ValueError("at least one --decode URL is required")
+        if self.decode_control and len(self.decode_control) != len(self.decode):
+            raise ValueError("--decode-control must have one entry per --decode URL")
+        if self.lease_s > self.max_lease_s:
+            raise ValueError("lease_s must not exceed max_lease_s")
+        for url in (*self.prefill, *self.decode, *filter(None, self.decode_control)):
+            _normalise_url(url, "backend")
+        if self.store_url is not None and not self.store_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("store_url must be a redis:// URL (or unset for the in-memory store)")
+        if self.api_keys_file is not None and not self.api_keys_file.is_file():
+            raise ValueError(f"api_keys_file {str(self.api_keys_file)!r} does not exist")
+        return self
+
+    @classmethod
+    def from_file(cls, path: str | Path, **overrides: Any) -> RouterSettings:
+        """Load a TOML or JSON file (optionally under a `[router]` table); keyword overrides win."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+            data: Any = tomllib.loads(raw.decode()) if path.suffix != ".json" else json.loads(raw)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"cannot read router settings from {str(path)!r}: {exc}") from exc
+        if isinstance(data, dict) and isinstance(data.get("router"), dict):
+            data = data["router"]
+        if not isinstance(data, dict):
+            raise ConfigError(f"{str(path)!r} must hold a table/object of router settings")
+        return cls.build(**{**data, **overrides})
+
+    @classmethod
+    def build(cls, **values: Any) -> RouterSettings:
+        """Like the constructor, but raises ConfigError with readable messages."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            lines = []
+            for err in exc.errors():
+                loc = ".".join(str(p) for p in err["loc"])
+                lines.append(f"{loc}: {err['msg']}" if loc else str(err["msg"]).removeprefix("Value error, "))
+            raise ConfigError("invalid router settings: " + "; ".join(lines)) from None
+
+    def all_api_keys(self) -> frozenset[str]:
+        keys = set(self.api_keys)
+        if self.api_keys_file is not None:
+            for line in self.api_keys_file.read_text().splitlines():
+                if line.strip() and not line.lstrip().startswith("#"):
+                    keys.add(line.strip())
+        return frozenset(keys)
+
+    def backends(self) -> tuple[list[Backend], list[Backend]]:
+        """The prefill and decode backends, named p0.. / d0.. in flag order."""
+        prefill = [
+            Backend(name=f"p{i}", role="prefill", url=_normalise_url(u, "prefill"))
+            for i, u in enumerate(self.prefill)
+        ]
+        decode = []
+        for i, u in enumerate(self.decode):
+            url = _normalise_url(u, "decode")
+            control = self.decode_control[i] if self.decode_control else ""
+            decode.append(
+                Backend(
+                    name=f"d{i}",
+                    role="decode",
+                    url=url,
+                    control_url=_normalise_url(control, "decode control") if control else _control(url),
+                )
+            )
+        return prefill, decode
+
+
+def _control(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port + LEASE_PORT_OFFSET}"

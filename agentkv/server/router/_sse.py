@@ -1,0 +1,150 @@
+"""Server-sent events from decode: split into events, strip kv params, and assemble what decode said."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from ._params import strip_kv_json
+
+__all__ = ["DONE", "EventSplitter", "TurnOutput", "error_event"]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def error_event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+@dataclasses.dataclass(kw_only=True)
+class TurnOutput:
+    """Decode's answer for choice 0, assembled from one JSON response or from stream chunks."""
+
+    content: str = ""
+    tool_calls: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
+    kv_params: dict[str, Any] | None = None
+
+    def assistant_message(self) -> dict[str, Any]:
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return {"role": "assistant", "content": self.content, "tool_calls": calls}
+
+    def add_response(self, obj: Any) -> None:
+        """A whole non-streaming chat or text completion."""
+        if not isinstance(obj, dict):
+            return
+        self._usage(obj)
+        choice = _choice0(obj)
+        if choice is None:
+            return
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        message = choice.get("message")
+        if isinstance(message, dict):
+            self.content += message.get("content") or ""
+            for i, call in enumerate(message.get("tool_calls") or []):
+                if isinstance(call, dict):
+                    self.tool_calls[i] = _call(call)
+        elif isinstance(choice.get("text"), str):
+            self.content += choice["text"]
+
+    def add_chunk(self, obj: Any) -> None:
+        """One streamed chunk: content and tool-call arguments arrive as deltas to concatenate."""
+        if not isinstance(obj, dict):
+            return
+        self._usage(obj)
+        choice = _choice0(obj)
+        if choice is None:
+            return
+        self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            self.content += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                if isinstance(call, dict):
+                    self._merge_call(call)
+        elif isinstance(choice.get("text"), str):
+            self.content += choice["text"]
+
+    def _merge_call(self, part: dict[str, Any]) -> None:
+        index = part.get("index", len(self.tool_calls))
+        index = index if isinstance(index, int) else len(self.tool_calls)
+        call = self.tool_calls.setdefault(
+            index, {"type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if part.get("id"):
+            call["id"] = part["id"]
+        fn = part.get("function")
+        if isinstance(fn, dict):
+            call["function"]["name"] += fn.get("name") or ""
+            call["function"]["arguments"] += fn.get("arguments") or ""
+
+    def _usage(self, obj: dict[str, Any]) -> None:
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+
+
+def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
+    for choice in obj.get("choices") or []:
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return None
+
+
+def _call(call: dict[str, Any]) -> dict[str, Any]:
+    fn: dict[str, Any] = call["function"] if isinstance(call.get("function"), dict) else {}
+    out = {
+        "type": call.get("type") or "function",
+        "function": {"name": fn.get("name") or "", "arguments": fn.get("arguments") or ""},
+    }
+    if call.get("id"):
+        out["id"] = call["id"]
+    return out
+
+
+class EventSplitter:
+    """Cuts a byte stream into whole SSE events, so each can be inspected and forwarded as it completes.
+
+    Events are forwarded unchanged unless they carry `kv_transfer_params`; every `data:` payload is also
+    decoded once to assemble the assistant message the prefix guard needs."""
+
+    def __init__(self, *, output: TurnOutput) -> None:
+        self._buf = b""
+        self._output = output
+        self.done = False
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        self._buf += data.replace(b"\r\n", b"\n")
+        while True:
+            end = self._buf.find(b"\n\n")
+            if end < 0:
+                return
+            event, self._buf = self._buf[: end + 2], self._buf[end + 2 :]
+            yield self._event(event)
+
+    def flush(self) -> Iterator[bytes]:
+        if self._buf.strip():
+            yield self._event(self._buf.rstrip(b"\n") + b"\n\n")
+        self._buf = b""
+
+    def _event(self, event: bytes) -> bytes:
+        if not event.startswith(b"data:") or b"\n" in event[:-2]:
+            # Comments and multi-line events carry no chunk we need; pass them through untouched.
+            return event
+        payload = event[5:-2].strip()
+        if payload == b"[DONE]":
+            self.done = True
+            return event
+        out, params, obj = strip_kv_json(payload)
+        if params is not None:
+            self._output.kv_params = params
+            event = b"data: " + out + b"\n\n"
+        if obj is None:
+            try:
+                obj = json.loads(payload)
+            except ValueError:
+                return event
+        self._output.add_chunk(obj)
+        return event

@@ -1,0 +1,134 @@
+"""Where the router remembers conversations: the `ConversationStore` protocol and the in-memory store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, Protocol
+
+from ._prefix import Prefix
+
+__all__ = ["ConversationRecord", "ConversationStore", "EvictHook", "LeaseState", "MemoryStore"]
+
+LeaseState = Literal["held", "fixed_ttl", "none"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConversationRecord:
+    """One conversation: the decode holding its retained blocks, decode's params for them, and the
+    fingerprint the next turn must extend. `version` increases with every successful write."""
+
+    decode: str
+    request_id: str
+    retained: dict[str, Any] | None = None
+    expires_at: float | None = None  # epoch seconds (router clock), not decode's perf_counter
+    lease_state: LeaseState = "none"
+    retained_tokens: int = 0
+    prefix: Prefix | None = None
+    version: int = 0
+
+    def lease_view(self, now: float | None = None) -> tuple[str, float]:
+        """(state, seconds left) as the conversation endpoints report them."""
+        now = time.time() if now is None else now
+        if not self.retained or self.lease_state == "none":
+            return "none", 0.0
+        left = (self.expires_at or 0.0) - now
+        return ("expired", 0.0) if left <= 0 else (self.lease_state, left)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["prefix"] = self.prefix.to_json() if self.prefix else None
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ConversationRecord:
+        return cls(**{**data, "prefix": Prefix.from_json(data.get("prefix"))})
+
+
+EvictHook = Callable[[str, ConversationRecord], None]
+
+
+class ConversationStore(Protocol):
+    """Async store keyed by `conversation_key(tenant, conversation_id)`.
+
+    Writes are compare-and-set on `version` so two router replicas cannot clobber each other: a write
+    succeeds only if the stored version still equals `expected` (0 = absent) and stores `expected + 1`."""
+
+    async def get(self, key: str) -> ConversationRecord | None: ...
+
+    async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool: ...
+
+    async def delete(self, key: str) -> ConversationRecord | None: ...
+
+    def lock(self, key: str, *, timeout: float) -> contextlib.AbstractAsyncContextManager[bool]:
+        """Serialise turns of one conversation; yields False if the wait timed out (proceed without reuse)."""
+        ...
+
+    async def count(self) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+
+class MemoryStore:
+    """LRU-bounded dict; O(1) per operation. `on_evict` hears about conversations pushed out by the bound
+    (the router releases their leases)."""
+
+    def __init__(self, *, max_conversations: int = 100_000, on_evict: EvictHook | None = None) -> None:
+        self._data: OrderedDict[str, ConversationRecord] = OrderedDict()
+        self._max = max_conversations
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self.on_evict = on_evict
+
+    async def get(self, key: str) -> ConversationRecord | None:
+        record = self._data.get(key)
+        if record is not None:
+            self._data.move_to_end(key)
+        return record
+
+    async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
+        current = self._data.get(key)
+        if (current.version if current else 0) != expected:
+            return False
+        self._data[key] = dataclasses.replace(record, version=expected + 1)
+        self._data.move_to_end(key)
+        while len(self._data) > self._max:
+            old_key, old = self._data.popitem(last=False)
+            if self.on_evict is not None:
+                self.on_evict(old_key, old)
+        return True
+
+    async def delete(self, key: str) -> ConversationRecord | None:
+        return self._data.pop(key, None)
+
+    @contextlib.asynccontextmanager
+    async def lock(self, key: str, *, timeout: float) -> AsyncIterator[bool]:
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        # Locks live only while someone holds or waits for them, so idle conversations cost nothing.
+        self._locks[key] = (lock, users + 1)
+        acquired = False
+        try:
+            try:
+                async with asyncio.timeout(timeout):
+                    await lock.acquire()
+                acquired = True
+            except TimeoutError:
+                pass
+            yield acquired
+        finally:
+            if acquired:
+                lock.release()
+            lock, users = self._locks[key]
+            if users <= 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
+
+    async def count(self) -> int:
+        return len(self._data)
+
+    async def aclose(self) -> None:
+        self._data.clear()

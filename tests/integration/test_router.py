@@ -1,0 +1,140 @@
+"""Issue 3: the router on the real CPU cluster (1P1D), driven by the official openai SDK and raw HTTP."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from agentkv.server._cluster import Cluster
+
+from ._helpers import (
+    MODEL,
+    RouterProc,
+    chat,
+    conversation_script,
+    metric,
+    new_id,
+    run_conversation,
+    service_info,
+)
+
+
+def _sdk_conversation(url: str, conversation_id: str, script: list[str]) -> tuple[list[list[int]], list[str]]:
+    """Stream each turn with the official SDK; return token ids per turn and the router's reuse header."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    history: list[dict[str, str]] = []
+    all_ids, reuse = [], []
+    for msg in script:
+        history.append({"role": "user", "content": msg})
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=history, max_tokens=12, temperature=0, stream=True, logprobs=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True}, extra_headers={"x-session-id": conversation_id},
+            extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        reuse.append(raw.headers.get("x-agentkv-reuse", ""))
+        ids: list[int] = []
+        text = ""
+        for chunk in raw.parse():
+            for ch in chunk.choices:
+                text += ch.delta.content or ""
+                ids += (
+                    [int(t.token.split(":")[1]) for t in (ch.logprobs.content or [])] if ch.logprobs else []
+                )
+        history.append({"role": "assistant", "content": text})
+        all_ids.append(ids)
+    return all_ids, reuse
+
+
+def test_four_turns_streamed_by_openai_sdk_reuse_decode_kv(
+    cluster: Cluster, router: RouterProc, router_off: RouterProc
+) -> None:
+    ps = cluster.prefills[0].spec.service_url
+    assert ps
+    script = conversation_script(11, 4)
+    hits0 = metric(router.url, "agentkv_reuse_total", result="hit")
+    pulled0 = service_info(ps)["stats"]["tokens_pulled"]
+    on_ids, on_reuse = _sdk_conversation(router.url, new_id("sdk"), script)
+    hits1 = metric(router.url, "agentkv_reuse_total", result="hit")
+    pulled1 = service_info(ps)["stats"]["tokens_pulled"]
+    off_ids, off_reuse = _sdk_conversation(router_off.url, new_id("sdk-off"), script)
+    assert on_reuse == ["miss", "hit", "hit", "hit"], on_reuse
+    assert hits1 - hits0 == 3  # the router counted three reuses ...
+    assert pulled1 - pulled0 > 0  # ... and prefill really pulled decode's tokens
+    reused_router = metric(router.url, "agentkv_reused_tokens_total")
+    assert reused_router >= pulled1 - pulled0
+    assert all(r != "hit" for r in off_reuse)
+    assert on_ids == off_ids and all(len(t) == 12 for t in on_ids)
+
+
+def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router: RouterProc) -> None:
+    ps = cluster.prefills[0].spec.service_url
+    assert ps
+    offered0 = service_info(ps)["stats"]["tokens_offered"]
+    dropped0 = metric(router.url, "agentkv_client_kv_params_dropped_total")
+    evil = {"do_remote_decode": True, "remote_block_ids": [[0, 1, 2]], "remote_engine_id": "x",
+            "remote_request_id": "someone-else", "remote_host": "127.0.0.1", "remote_port": 5700,
+            "remote_num_tokens": 384}  # fmt: skip
+    messages = [{"role": "user", "content": conversation_script(12, 1)[0]}]
+    turn = chat(router.url, messages, conversation_id=new_id(), extra={"kv_transfer_params": evil})
+    assert len(turn.ids) == 12
+    assert (
+        "kv_transfer_params"
+        not in httpx.post(
+            f"{router.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 2, "kv_transfer_params": evil},
+            timeout=120,
+        ).json()
+    )
+    assert metric(router.url, "agentkv_client_kv_params_dropped_total") - dropped0 == 2
+    assert service_info(ps)["stats"]["tokens_offered"] == offered0  # prefill never saw the forged offer
+
+
+def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
+    d = cluster.decodes[0].spec
+    assert d.service_url
+    cid = new_id("release")
+    run_conversation(router.url, conversation_script(13, 1), conversation_id=cid)
+    state = httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()
+    assert state["lease"]["state"] == "held" and state["retained_tokens"] > 0
+    retained_before = service_info(d.service_url)["retained"]
+    usage_before = metric(d.url, "vllm:kv_cache_usage_perc")
+    assert usage_before > 0
+    r = httpx.delete(f"{router.url}/v1/conversations/{cid}", timeout=5)
+    assert r.status_code == 200 and r.json()["released"] is True
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(d.url, "vllm:kv_cache_usage_perc") >= usage_before:
+        time.sleep(0.2)
+    assert metric(d.url, "vllm:kv_cache_usage_perc") < usage_before
+    assert service_info(d.service_url)["retained"] == retained_before - 1
+    assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status"),
+    [
+        ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
+        ({"json": {"model": MODEL, "messages": "hello"}}, 400),
+        ({"json": {"model": MODEL, "messages": [], "max_tokens": "many"}}, 400),
+        ({"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+          "headers": {"x-session-id": "x" * 5000}}, 400),
+        ({"json": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}}, 404),
+        ({"content": b'{"model": "tiny", "messages": [], "pad": "' + b"x" * (9 * 1024 * 1024) + b'"}',
+          "headers": {"content-type": "application/json"}}, 413),
+    ],
+)  # fmt: skip
+def test_bad_input_gets_openai_error_and_changes_nothing(
+    router: RouterProc, kwargs: dict, status: int
+) -> None:  # type: ignore[type-arg]
+    tracked = metric(router.url, "agentkv_conversations")
+    turns = metric(router.url, "agentkv_turns_total")
+    headers = {"x-session-id": "bad-input-conv", **kwargs.pop("headers", {})}
+    r = httpx.post(f"{router.url}/v1/chat/completions", headers=headers, timeout=30, **kwargs)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and "Traceback" not in r.text
+    assert {"message", "type", "param", "code"} <= set(err)
+    assert metric(router.url, "agentkv_conversations") == tracked
+    assert metric(router.url, "agentkv_turns_total") == turns

@@ -1,0 +1,151 @@
+"""Routing and path decisions (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from agentkv.server.router import Backend, CostModel, choose_path
+from agentkv.server.router._backend import BackendPool, Registration
+from agentkv.server.router._policy import Line, assess_reuse, choose_decode, choose_prefill
+from agentkv.server.router._prefix import Prefix
+
+
+def pool(role: str, loads: list[int], healthy: list[bool] | None = None) -> BackendPool:
+    backends = [Backend(name=f"{role[0]}{i}", role=role, url=f"http://h{i}:1") for i in range(len(loads))]  # type: ignore[arg-type]
+    p = BackendPool(backends=backends)
+    for state, load, ok in zip(p, loads, healthy or [True] * len(loads), strict=True):
+        state.outstanding, state.healthy = load, ok
+    return p
+
+
+def test_prefill_least_outstanding_healthy_first_configured_on_ties() -> None:
+    assert choose_prefill(pool("prefill", [3, 1, 1])).name == "p1"  # type: ignore[union-attr]
+    assert choose_prefill(pool("prefill", [3, 1, 0], [True, True, False])).name == "p1"  # type: ignore[union-attr]
+    assert choose_prefill(pool("prefill", [0], [False])) is None
+    assert choose_prefill(pool("prefill", [0, 5]), exclude=frozenset({"p0"})).name == "p1"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("loads", "healthy", "cap", "expected"),
+    [
+        ([5, 0], [True, True], 8, "d0"),  # sticky even when busier
+        ([8, 0], [True, True], 8, "d1"),  # over the cap: least loaded instead
+        ([0, 3], [False, True], 8, "d1"),  # sticky unhealthy
+        ([4, 2, 3], [True, True, True], 4, "d1"),
+    ],
+)
+def test_decode_sticky_with_load_cap(loads: list[int], healthy: list[bool], cap: int, expected: str) -> None:
+    assert choose_decode(pool("decode", loads, healthy), sticky="d0", load_cap=cap).name == expected  # type: ignore[union-attr]
+
+
+def test_decode_without_history_is_least_loaded() -> None:
+    assert choose_decode(pool("decode", [2, 1]), sticky=None, load_cap=8).name == "d1"  # type: ignore[union-attr]
+
+
+BODY = {
+    "messages": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+}
+PREFIX = Prefix.of_turn(
+    {"messages": BODY["messages"][:1]}, {"role": "assistant", "content": "b", "tool_calls": []}
+)
+RETAINED = {"remote_block_ids": [[1]], "remote_engine_id": "E", "remote_num_tokens": 9}
+
+
+def assess(**overrides: object) -> str:
+    decode = next(iter(pool("decode", [0])))
+    decode.registration = overrides.pop("registration", None)  # type: ignore[assignment]
+    args: dict = dict(
+        retained=RETAINED,
+        expires_at=time.time() + 60,
+        prefix=PREFIX,
+        body=BODY,
+        decode=decode,
+        now=time.time(),
+        margin_s=6.0,
+    )
+    args.update(overrides)
+    return assess_reuse(**args)
+
+
+def test_assess_reuse() -> None:
+    assert assess() == "ok"
+    assert assess(retained=None) == "miss"
+    assert assess(expires_at=time.time() + 5) == "expired"  # inside the safety margin
+    assert assess(expires_at=None) == "expired"
+    assert assess(registration=Registration(engine_id="E")) == "ok"
+    assert assess(registration=Registration(engine_id="OTHER")) == "expired"
+    assert (
+        assess(
+            retained={**RETAINED, "remote_registration_generation": 1},
+            registration=Registration(engine_id="E", generation=2),
+        )
+        == "expired"
+    )
+    assert (
+        assess(
+            body={
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "B"},
+                    {"role": "user", "content": "c"},
+                ]
+            }
+        )
+        == "mismatch"
+    )
+    assert assess(body={"messages": BODY["messages"][:2]}) == "mismatch"  # nothing new after the prefix
+
+
+def trained(pd: tuple[float, float], local: tuple[float, float]) -> CostModel:
+    """A model fed exact samples of two lines ms = fixed + rate * tokens."""
+    model = CostModel()
+    for n in (10, 100, 400, 50):
+        model.pd.observe(n, pd[0] + pd[1] * n)
+        model.local.observe(n, local[0] + local[1] * n)
+    return model
+
+
+def test_line_recovers_fixed_and_rate() -> None:
+    line = Line()
+    assert line.predict(5) is None
+    for n in (10, 200, 50, 400):
+        line.observe(n, 30 + 0.5 * n)
+    assert line.predict(1000) == pytest.approx(530, rel=1e-6)
+    single = Line()
+    single.observe(100, 50)
+    assert single.predict(200) == pytest.approx(100)
+
+
+def decide(model: CostModel, *, n: int, load: int = 0, policy: str = "auto", ok: bool = True, cap: int = 512):
+    return choose_path(
+        policy=policy, reuse_ok=ok, new_tokens=n, decode_outstanding=load, local_max_tokens=cap, model=model
+    )
+
+
+def test_path_choice() -> None:
+    # P/D costs a fixed hop (40 ms) but prefills at 0.1 ms/token; decode-local has no hop but 0.3 ms/token.
+    model = trained(pd=(40, 0.1), local=(0, 0.3))
+    assert decide(model, n=50).path == "decode-local"  # 15 ms < 45 ms
+    assert decide(model, n=400).path == "pull"  # 120 ms > 80 ms
+    assert decide(model, n=50, load=3).path == "pull"  # a busy decode: 60 ms > 45 ms
+    assert decide(model, n=50, cap=10).path == "pull"  # over the local cap whatever the costs
+    assert decide(model, n=50, ok=False).path == "recompute"
+    assert decide(model, n=50, policy="always-pd").path == "pull"
+    assert decide(model, n=400, policy="always-local").path == "decode-local"
+
+
+def test_path_choice_before_costs_are_measured() -> None:
+    assert decide(CostModel(), n=50).path == "decode-local"
+    assert decide(CostModel(), n=50, load=1).path == "pull"
+
+
+def test_chars_per_token_is_learned() -> None:
+    model = CostModel()
+    model.observe_chars(3000, 1000)
+    assert model.estimate_tokens(300) == 100

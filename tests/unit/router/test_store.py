@@ -1,0 +1,125 @@
+"""ConversationStore: the in-memory store and RedisStore against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import pytest
+
+from agentkv.server.router import ConversationRecord, MemoryStore, RedisStore
+from agentkv.server.router._prefix import Prefix
+
+RECORD = ConversationRecord(
+    decode="d0",
+    request_id="agentkv-1",
+    retained={"remote_block_ids": [[1, 2]], "remote_engine_id": "E"},
+    expires_at=time.time() + 30,
+    lease_state="held",
+    retained_tokens=12,
+    prefix=Prefix(items=2, chars=40, digest="ab"),
+)
+
+
+async def check_cas(store) -> None:
+    assert await store.get("t/c") is None
+    assert not await store.compare_and_set("t/c", RECORD, expected=1)  # absent is version 0
+    assert await store.compare_and_set("t/c", RECORD, expected=0)
+    stored = await store.get("t/c")
+    assert stored == dataclasses.replace(RECORD, version=1)
+    assert not await store.compare_and_set("t/c", RECORD, expected=0)  # stale writer loses
+    assert await store.compare_and_set("t/c", dataclasses.replace(stored, decode="d1"), expected=1)
+    assert (await store.get("t/c")).decode == "d1"
+    assert await store.get("other-tenant/c") is None
+    assert (await store.delete("t/c")).decode == "d1"
+    assert await store.delete("t/c") is None
+
+
+async def check_lock(store) -> None:
+    order: list[str] = []
+    async with store.lock("t/c", timeout=5) as got:
+        assert got
+
+        async def second() -> None:
+            async with store.lock("t/c", timeout=5) as got2:
+                order.append(f"second {got2}")
+
+        task = asyncio.create_task(second())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        order.append("first done")
+    await task
+    assert order == ["first done", "second True"]
+    async with store.lock("t/c", timeout=5), store.lock("t/c", timeout=0.01) as got:
+        assert got is False  # bounded wait, then the caller proceeds without reuse
+
+
+async def test_memory_store_cas_and_lock() -> None:
+    store = MemoryStore()
+    await check_cas(store)
+    await check_lock(store)
+    assert store._locks == {}  # idle conversations keep no lock objects
+
+
+async def test_memory_store_lru_evicts_least_recent_and_tells_the_hook() -> None:
+    evicted: list[str] = []
+    store = MemoryStore(max_conversations=2, on_evict=lambda key, record: evicted.append(key))
+    for key in ("a", "b"):
+        await store.compare_and_set(key, RECORD, expected=0)
+    await store.get("a")  # a is now the most recent
+    await store.compare_and_set("c", RECORD, expected=0)
+    assert evicted == ["b"] and await store.count() == 2
+
+
+@pytest.fixture
+async def redis_store(redis_url: str):
+    store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:")
+    yield store
+    await store.aclose()
+
+
+async def test_redis_store_cas_and_lock(redis_store: RedisStore) -> None:
+    await check_cas(redis_store)
+    await check_lock(redis_store)
+
+
+async def test_redis_survives_router_restart_and_scopes_by_prefix(redis_url: str) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    first = RedisStore(url=redis_url, prefix=prefix)
+    await first.compare_and_set("t/c", RECORD, expected=0)
+    await first.aclose()
+    again, elsewhere = RedisStore(url=redis_url, prefix=prefix), RedisStore(url=redis_url, prefix="other:")
+    try:
+        assert (await again.get("t/c")) == dataclasses.replace(RECORD, version=1)
+        assert await elsewhere.get("t/c") is None
+        assert await again.count() == 1
+        ttl = await again._redis.ttl(f"{prefix}conv:t/c")
+        assert 30 < ttl <= 30 + 60 + 1  # lease expiry plus margin
+    finally:
+        await again.aclose()
+        await elsewhere.aclose()
+
+
+async def test_redis_replicas_racing_on_one_conversation(redis_url: str) -> None:
+    prefix = f"test-{uuid.uuid4().hex}:"
+    a, b = RedisStore(url=redis_url, prefix=prefix), RedisStore(url=redis_url, prefix=prefix)
+    try:
+        results = await asyncio.gather(*(s.compare_and_set("t/c", RECORD, expected=0) for s in (a, b, a, b)))
+        assert sorted(results) == [False, False, False, True]
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_router_with_redis_store(redis_url: str, engines, make_client) -> None:
+    store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:")
+    async with make_client(store=store) as client:
+        msgs = [{"role": "user", "content": "hi"}]
+        first = (
+            await client.post("/v1/chat/completions", json={"messages": msgs}, headers={"x-session-id": "c"})
+        ).json()
+        nxt = [*msgs, first["choices"][0]["message"], {"role": "user", "content": "more"}]
+        r = await client.post("/v1/chat/completions", json={"messages": nxt}, headers={"x-session-id": "c"})
+    assert r.headers["x-agentkv-reuse"] == "hit"

@@ -1,0 +1,438 @@
+"""End-to-end turns through the real router app against fake engines."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from typing import Any
+
+import httpx
+
+from .conftest import FakeEngines, store_of
+
+CHAT = "/v1/chat/completions"
+USER1 = [{"role": "user", "content": "list the files"}]
+
+
+async def chat(
+    client: httpx.AsyncClient, messages: list[dict[str, Any]], cid: str | None = "c1", **body: Any
+):
+    headers = {"x-session-id": cid} if cid else {}
+    return await client.post(CHAT, json={"model": "tiny", "messages": messages, **body}, headers=headers)
+
+
+def next_messages(
+    first: list[dict[str, Any]], answer: dict[str, Any], user: str = "and now?"
+) -> list[dict[str, Any]]:
+    return [*first, answer["choices"][0]["message"], {"role": "user", "content": user}]
+
+
+def sse_data(text: str) -> list[str]:
+    return [line[6:] for line in text.split("\n") if line.startswith("data: ")]
+
+
+async def test_first_turn_shapes_both_hops_and_hides_internal_params(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        r = await chat(
+            client,
+            USER1,
+            conversation_id="ignored-because-header-wins",
+            max_completion_tokens=50,
+            stream_options={"include_usage": True},
+        )
+    assert r.status_code == 200
+    assert "kv_transfer_params" not in r.text and "10.9.9" not in r.text
+    assert r.headers["x-agentkv-reuse"] == "miss"
+    assert r.headers["x-agentkv-path"] == "recompute"
+    assert r.headers["x-agentkv-conversation-id"] == "c1"
+    assert float(r.headers["x-agentkv-lease-expires-in"]) > 0
+    [p_body] = engines.completions("p")
+    assert p_body["max_tokens"] == 1 and p_body["max_completion_tokens"] == 1 and p_body["stream"] is False
+    assert "stream_options" not in p_body and "conversation_id" not in p_body
+    assert p_body["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    [d_body] = engines.completions("d")
+    assert d_body["kv_transfer_params"]["remote_engine_id"] == "P-ENGINE"  # exactly what P returned
+    assert d_body["max_completion_tokens"] == 50 and "conversation_id" not in d_body
+    p_rid = engines.requests("p", CHAT)[0][1]["x-request-id"]
+    d_rid = engines.requests("d0", CHAT)[0][1]["x-request-id"]
+    assert p_rid == d_rid and p_rid.startswith("agentkv-")
+
+
+async def test_second_turn_sends_decodes_retained_params_to_prefill(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+    assert r.headers["x-agentkv-reuse"] == "hit" and r.headers["x-agentkv-path"] == "pull"
+    retained = next(iter(engines.retained.values()))
+    p_params = engines.completions("p")[1]["kv_transfer_params"]
+    for key in (
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_request_id",
+        "remote_host",
+        "remote_port",
+        "remote_num_tokens",
+        "tp_size",
+    ):
+        assert p_params[key] == retained[key]
+    assert p_params["do_remote_decode"] is True and p_params["do_remote_prefill"] is False
+    # The sticky decode served both turns.
+    assert len(engines.requests("d0", CHAT)) == 2
+    assert int(r.headers["x-agentkv-reused-tokens"]) == retained["remote_num_tokens"]
+
+
+async def test_cached_tokens_from_prefill_decide_hit_or_declined(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        engines.p_cached_tokens = 0
+        r = await chat(client, next_messages(USER1, first))
+        assert r.headers["x-agentkv-reuse"] == "declined"
+        engines.p_cached_tokens = 17
+        second_messages = next_messages(USER1, first)
+        r2 = await chat(client, next_messages(second_messages, r.json()))
+        assert r2.headers["x-agentkv-reuse"] == "hit" and r2.headers["x-agentkv-reused-tokens"] == "17"
+        metrics = (await client.get("/metrics")).text
+    assert 'agentkv_reuse_total{result="declined"} 1.0' in metrics
+
+
+async def test_no_reuse_when_prefix_was_edited(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        edited = next_messages(USER1, first)
+        edited[1] = {"role": "assistant", "content": "something decode never said"}
+        r = await chat(client, edited)
+        metrics = (await client.get("/metrics")).text
+    assert r.headers["x-agentkv-reuse"] == "mismatch" and r.headers["x-agentkv-path"] == "recompute"
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+    assert 'agentkv_reuse_total{result="mismatch"} 1.0' in metrics
+
+
+async def test_round_tripped_assistant_message_still_matches(engines: FakeEngines, make_client) -> None:
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "ls", "arguments": '{"path": ".", "all": true}'},
+    }
+    engines.reply = lambda body: {"content": None, "tool_calls": [call], "finish_reason": "tool_calls"}
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        assert first["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "ls"
+        # An SDK re-serialises arguments and sends content "" instead of None: still the same prefix.
+        echoed = {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "ls", "arguments": '{"all":true,"path":"."}'},
+                }
+            ],
+        }
+        r = await chat(
+            client, [*USER1, echoed, {"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}]
+        )
+    assert r.headers["x-agentkv-reuse"] == "hit"
+
+
+async def test_expired_retention_is_not_offered(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        store = store_of(client)
+        record = await store.get("-/c1")
+        # Inside the safety margin counts as expired: P would decline the read anyway.
+        await store.compare_and_set(
+            "-/c1", dataclasses.replace(record, expires_at=time.time() + 1), expected=record.version
+        )
+        r = await chat(client, next_messages(USER1, first))
+    assert r.headers["x-agentkv-reuse"] == "expired"
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+
+
+async def test_decode_restart_voids_old_blocks(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        engines.engine_id["d0.test"] = "D0-ENGINE-RESTARTED"
+        await client.app.state.router.health.check_once()  # type: ignore[attr-defined]
+        r = await chat(client, next_messages(USER1, first))
+    assert r.headers["x-agentkv-reuse"] == "expired"
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+
+
+async def test_reuse_off_never_sends_retained_params(engines: FakeEngines, make_client) -> None:
+    async with make_client(reuse=False) as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+    assert r.headers["x-agentkv-path"] == "recompute"
+    assert all(b["kv_transfer_params"]["remote_block_ids"] is None for b in engines.completions("p"))
+    assert len(engines.completions("d")) == 2  # still P -> D
+    # Nobody will come back for the blocks, so they were released at once.
+    assert len(engines.released) == 2
+
+
+async def test_no_conversation_id_serves_without_reuse_and_frees_blocks(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        r = await chat(client, USER1, cid=None)
+    assert r.headers["x-agentkv-reuse"] == "none"
+    assert "x-agentkv-conversation-id" not in r.headers
+    assert len(engines.released) == 1
+
+
+async def test_streaming_passthrough_then_retention_lookup(engines: FakeEngines, make_client) -> None:
+    engines.reply = lambda body: {"content": "one two three"}
+    async with make_client() as client:
+        r = await chat(client, USER1, stream=True, stream_options={"include_usage": True})
+        data = sse_data(r.text)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert data[-1] == "[DONE]"
+        words = [json.loads(d)["choices"][0]["delta"].get("content") for d in data[:3]]
+        assert words == ["one ", "two ", "three "]
+        # vLLM 0.32 streams carry no params: the router asked decode's retention service instead.
+        lookups = [path for host, m, path, _b, _h in engines.seen if "/agentkv/v1/retained/" in path]
+        assert lookups
+        answer = {"role": "assistant", "content": "one two three "}
+        r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}], stream=True)
+    assert r2.headers["x-agentkv-reuse"] == "hit"
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] == [[10, 11, 12]]
+
+
+async def test_streamed_kv_params_are_stripped_but_learned(engines: FakeEngines, make_client) -> None:
+    engines.retention = set()  # stock vLLM >= 0.33: params arrive in the last chunk
+    original = engines._sse
+
+    async def with_params(rid, reply, usage, body, chat):
+        async for part in original(rid, reply, usage, body, chat):
+            if part == b"data: [DONE]\n\n"[:7]:
+                yield (
+                    b"data: "
+                    + json.dumps({"choices": [], "kv_transfer_params": engines.retained[rid]}).encode()
+                )
+                yield b"\n\n"
+            yield part
+
+    engines._sse = with_params  # type: ignore[method-assign]
+    async with make_client() as client:
+        r = await chat(client, USER1, stream=True)
+        assert "kv_transfer_params" not in r.text and "remote_block_ids" not in r.text
+        answer = {"role": "assistant", "content": "sure, done. "}
+        r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}])
+        lookup = (await client.get("/v1/conversations/c1")).json()
+    assert r2.headers["x-agentkv-reuse"] == "hit"
+    assert lookup["lease"]["state"] == "fixed_ttl" and lookup["lease"]["renewable"] is False
+
+
+async def test_stream_is_forwarded_before_decode_finishes(engines: FakeEngines, make_client) -> None:
+    """Decode holds its second chunk until the client has seen the first: a buffering router deadlocks."""
+    engines.reply = lambda body: {"content": "first second"}
+    engines.stream_gate = asyncio.Event()
+    async with make_client() as client:
+        app = client.app  # type: ignore[attr-defined]
+        received: list[bytes] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                received.append(message.get("body", b""))
+                if b"first" in b"".join(received):
+                    engines.stream_gate.set()
+
+        body = json.dumps({"model": "tiny", "messages": USER1, "stream": True}).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop()
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": CHAT,
+            "raw_path": CHAT.encode(),
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("t", 1),
+            "server": ("r", 80),
+            "state": {},
+        }
+        await asyncio.wait_for(app(scope, receive, send), timeout=20)
+    assert b"data: [DONE]" in b"".join(received)
+
+
+async def test_decode_dying_mid_stream_ends_with_error_event_and_done(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.reply = lambda body: {"content": "a b c d"}
+    engines.stream_break_after = 2
+    async with make_client() as client:
+        r = await chat(client, USER1, stream=True)
+        data = sse_data(r.text)
+        lookup = await client.get("/v1/conversations/c1")
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["code"] == "stream_interrupted"
+    assert len(data) == 2 + 2  # two good chunks, the error, [DONE]
+    assert lookup.status_code == 404  # an aborted turn retains nothing
+
+
+async def test_prefill_down_fails_over_to_other_prefill(engines: FakeEngines, make_client) -> None:
+    engines.down.add("p0.test")
+    async with make_client(health_interval_s=5) as client:
+        r = await chat(client, USER1)
+        health = (await client.get("/health")).json()
+    assert r.status_code == 200
+    assert len(engines.completions("p1")) == 1
+    assert health == {"status": "ok", "prefill": 1, "decode": 2}
+
+
+async def test_decode_down_picks_another_decode_and_loses_reuse_once(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client(health_interval_s=5) as client:
+        first = (await chat(client, USER1)).json()
+        engines.down.add("d0.test")
+        second = await chat(client, next_messages(USER1, first))
+        third = await chat(client, next_messages(next_messages(USER1, first), second.json(), "again"))
+        health = (await client.get("/health")).json()
+    assert second.status_code == 200 and len(engines.completions("d1")) == 2
+    assert health["decode"] == 1  # the failed connect took d0 out until a health check brings it back
+    # The conversation moved to d1, which now holds its blocks.
+    assert third.headers["x-agentkv-reuse"] == "hit"
+    assert engines.completions("p")[2]["kv_transfer_params"]["remote_engine_id"] == "D1-ENGINE"
+
+
+async def test_all_prefills_down_is_503(engines: FakeEngines, make_client) -> None:
+    engines.down |= {"p0.test", "p1.test"}
+    async with make_client() as client:
+        r = await chat(client, USER1)
+    assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+
+
+async def test_engine_4xx_passes_through_sanitised_and_5xx_is_502(engines: FakeEngines, make_client) -> None:
+    engines.status["p0.test"] = (
+        400,
+        {
+            "error": {
+                "message": "too long",
+                "type": "BadRequestError",
+                "param": None,
+                "code": 400,
+                "remote_host": "10.9.9.1",
+            }
+        },
+    )
+    engines.status["p1.test"] = (400, engines.status["p0.test"][1])
+    async with make_client() as client:
+        r = await chat(client, USER1)
+        assert r.status_code == 400
+        assert r.json() == {
+            "error": {"message": "too long", "type": "BadRequestError", "param": None, "code": 400}
+        }
+        engines.status = {
+            "p0.test": (500, {"detail": "Traceback (most recent call last)"}),
+            "p1.test": (500, {"detail": "boom"}),
+        }
+        r = await chat(client, USER1)
+    assert r.status_code == 502 and "Traceback" not in r.text
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_decode_local_path_skips_prefill(engines: FakeEngines, make_client) -> None:
+    async with make_client(path_policy="always-local") as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+    assert r.headers["x-agentkv-path"] == "decode-local" and r.headers["x-agentkv-reuse"] == "local"
+    assert len(engines.completions("p")) == 1
+    assert engines.completions("d0")[1]["kv_transfer_params"] == {"agentkv_retain": True}
+    # The previous turn's blocks are superseded by this turn's: released, not left pinned.
+    assert len(engines.released) == 1
+
+
+async def test_concurrent_turns_of_one_conversation_are_serialised(engines: FakeEngines, make_client) -> None:
+    engines.reply = lambda body: {"content": "x y"}
+    engines.stream_gate = asyncio.Event()
+    async with make_client() as client:
+        first = asyncio.create_task(chat(client, USER1, stream=True))
+        while not engines.completions("d"):
+            await asyncio.sleep(0)
+        second = asyncio.create_task(chat(client, USER1))
+        for _ in range(50):
+            await asyncio.sleep(0)
+        # The second turn has not reached prefill while the first still streams.
+        assert len(engines.completions("p")) == 1
+        engines.stream_gate.set()
+        await asyncio.gather(first, second)
+    assert len(engines.completions("p")) == 2
+
+
+async def test_decode_local_falls_back_to_prefill_when_sticky_decode_is_gone(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client(path_policy="always-local") as client:
+        first = (await chat(client, USER1)).json()
+        engines.down.add("d0.test")
+        r = await chat(client, next_messages(USER1, first))
+    assert r.status_code == 200
+    assert r.headers["x-agentkv-path"] == "recompute" and r.headers["x-agentkv-reuse"] == "miss"
+    assert len(engines.completions("p")) == 2 and len(engines.completions("d1")) == 1
+
+
+async def test_failed_pull_forgets_the_consumed_blocks(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        engines.status = {"p0.test": (500, {}), "p1.test": (500, {})}
+        r = await chat(client, next_messages(USER1, first))
+        lookup = (await client.get("/v1/conversations/c1")).json()
+    assert r.status_code == 502
+    assert lookup["lease"]["state"] == "none"  # never offered to P a second time
+
+
+async def test_lock_timeout_proceeds_without_reuse(engines: FakeEngines, make_client) -> None:
+    async with make_client(conversation_lock_timeout_s=0) as client:
+        first = (await chat(client, USER1)).json()
+        async with store_of(client).lock("-/c1", timeout=1):
+            r = await chat(client, next_messages(USER1, first))
+    assert r.status_code == 200 and r.headers["x-agentkv-reuse"] == "miss"
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+
+
+async def test_decode_going_quiet_mid_stream_ends_the_stream(engines: FakeEngines, make_client) -> None:
+    engines.reply = lambda body: {"content": "a b"}
+    engines.stream_gate = asyncio.Event()  # never set: decode stalls after its first chunk
+    async with make_client(timeouts={"decode_idle_s": 0.05}) as client:
+        r = await chat(client, USER1, stream=True)
+    data = sse_data(r.text)
+    assert json.loads(data[0])["choices"][0]["delta"]["content"] == "a "
+    assert "idle" in json.loads(data[-2])["error"]["message"] and data[-1] == "[DONE]"
+
+
+async def test_prefill_timeout_is_504(engines: FakeEngines, make_client) -> None:
+    handle = engines.handle
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        if request.url.host.startswith("p") and request.url.path == CHAT:
+            await asyncio.Event().wait()
+        return await handle(request)
+
+    engines.handle = slow  # type: ignore[method-assign]
+    async with make_client(timeouts={"prefill_s": 0.05}) as client:
+        r = await chat(client, USER1)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "gateway_timeout"

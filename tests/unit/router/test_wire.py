@@ -1,0 +1,142 @@
+"""Ids, params sanitising, SSE splitting and the prefix fingerprint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agentkv._exceptions import APIStatusError
+from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
+from agentkv.server.router._params import prefill_body, strip_client_fields, strip_kv_json
+from agentkv.server.router._prefix import Prefix
+from agentkv.server.router._sse import EventSplitter, TurnOutput
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "expected"),
+    [
+        ({"x-session-id": "h1", "x-conversation-id": "h2"}, {"conversation_id": "b"}, "h1"),
+        ({"x-conversation-id": "h2"}, {"conversation_id": "b"}, "h2"),
+        ({}, {"session_id": "s", "prompt_cache_key": "k"}, "s"),
+        ({}, {"conversation_id": "c", "session_id": "s"}, "c"),
+        ({}, {"prompt_cache_key": "a.b:c-d_e"}, "a.b:c-d_e"),
+        ({}, {"conversation_id": None, "prompt_cache_key": "k"}, "k"),
+        ({}, {}, None),
+    ],
+)
+def test_conversation_id_first_match_wins(headers: dict, body: dict, expected: str | None) -> None:
+    assert extract_conversation_id(headers, body, session_header="x-session-id") == expected
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 129, "a b", "a/b", "é", "ok\n", 12, ["x"]])
+def test_invalid_ids_are_400(bad: object) -> None:
+    with pytest.raises(APIStatusError) as info:
+        extract_conversation_id({}, {"conversation_id": bad}, session_header="x-session-id")
+    assert info.value.status_code == 400
+
+
+def test_id_of_128_chars_is_fine_and_custom_header_is_used() -> None:
+    assert (
+        extract_conversation_id({"x-smg-routing-key": "k" * 128}, {}, session_header="x-smg-routing-key")
+        == "k" * 128
+    )
+
+
+def test_tenant_of() -> None:
+    assert tenant_of(None, frozenset()) == "-"
+    a, b = tenant_of("Bearer ka", frozenset({"ka", "kb"})), tenant_of("bearer kb", frozenset({"ka", "kb"}))
+    assert a != b and len(a) == 16
+    for header in (None, "Bearer", "Basic ka", "Bearer kc"):
+        with pytest.raises(APIStatusError):
+            tenant_of(header, frozenset({"ka"}))
+
+
+def test_parse_body_accepts_prompt_shapes() -> None:
+    for prompt in ("x", ["x", "y"], [1, 2], [[1], [2, 3]]):
+        assert parse_body(json.dumps({"prompt": prompt}).encode(), "completions")["prompt"] == prompt
+    for prompt in (None, [], [1, "x"], [[]], {"a": 1}):
+        with pytest.raises(APIStatusError):
+            parse_body(json.dumps({"prompt": prompt}).encode(), "completions")
+
+
+def test_strip_client_fields() -> None:
+    body = {
+        "model": "m",
+        "conversation_id": "c",
+        "session_id": "s",
+        "prompt_cache_key": "k",
+        "kv_transfer_params": {},
+    }
+    clean, dropped = strip_client_fields(body)
+    assert clean == {"model": "m"} and dropped
+    assert strip_client_fields({"model": "m"}) == ({"model": "m"}, False)
+
+
+def test_prefill_body_without_max_completion_tokens_does_not_add_it() -> None:
+    out = prefill_body({"messages": [], "max_tokens": 99, "min_tokens": 5, "stream": True}, None)
+    assert out["max_tokens"] == 1 and "max_completion_tokens" not in out and "min_tokens" not in out
+
+
+def test_strip_kv_json_leaves_other_documents_byte_identical() -> None:
+    plain = b'{"choices": [{"delta": {"content": "say kv_transfer_params"}}]}'
+    assert strip_kv_json(plain)[0] == plain  # the words in content are not the key
+    assert strip_kv_json(b'{"a": 1}') == (b'{"a": 1}', None, None)
+    out, params, _obj = strip_kv_json(b'{"a": 1, "kv_transfer_params": {"remote_host": "h"}}')
+    assert json.loads(out) == {"a": 1} and params == {"remote_host": "h"}
+
+
+def test_event_splitter_reassembles_and_strips() -> None:
+    output = TurnOutput()
+    splitter = EventSplitter(output=output)
+    chunk = b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+    kv = b'data: {"choices":[],"kv_transfer_params":{"remote_block_ids":[[1]]}}\r\n\r\n'
+    stream = chunk + b": keepalive\n\n" + kv + b"data: [DONE]\n\n"
+    out = b"".join(e for i in range(0, len(stream), 5) for e in splitter.feed(stream[i : i + 5]))
+    out += b"".join(splitter.flush())
+    assert out.startswith(chunk + b": keepalive\n\n")  # untouched bytes
+    assert b"kv_transfer_params" not in out and out.endswith(b"data: [DONE]\n\n")
+    assert splitter.done and output.content == "hi" and output.kv_params == {"remote_block_ids": [[1]]}
+
+
+def test_turn_output_assembles_tool_call_deltas() -> None:
+    output = TurnOutput()
+    for delta in (
+        {
+            "tool_calls": [
+                {"index": 0, "id": "c1", "type": "function", "function": {"name": "ls", "arguments": ""}}
+            ]
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"p":'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"."}'}}]},
+    ):
+        output.add_chunk({"choices": [{"index": 0, "delta": delta}]})
+    output.add_chunk(
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}], "usage": {"prompt_tokens": 3}}
+    )
+    msg = output.assistant_message()
+    assert msg["tool_calls"] == [
+        {"type": "function", "function": {"name": "ls", "arguments": '{"p":"."}'}, "id": "c1"}
+    ]
+    assert output.finish_reason == "tool_calls" and output.usage == {"prompt_tokens": 3}
+
+
+def test_prefix_fingerprint() -> None:
+    first = [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": "q"},
+    ]
+    prefix = Prefix.of_turn({"messages": first}, {"role": "assistant", "content": "a", "tool_calls": []})
+    assert prefix is not None
+    same = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a", "refusal": None},
+        {"role": "user", "content": "next"},
+    ]
+    assert prefix.matches({"messages": same})
+    assert not prefix.matches({"messages": [*same[:2], {"role": "assistant", "content": "a!"}, same[3]]})
+    assert not prefix.matches({"prompt": "q"})
+    assert prefix.new_chars({"messages": same}) > 0
+    assert Prefix.from_json(prefix.to_json()) == prefix
+    assert Prefix.of_turn({"prompt": [1, 2]}, {"content": "x"}) is None
