@@ -1,20 +1,20 @@
 """One exception tree for the whole project.
 
-    AgentKVError
-    ├── ConfigError                 bad configuration (flags, env, file)
-    ├── EngineError                 starting / stopping vLLM servers
-    │   ├── EngineNotInstalledError vllm (or nixl) missing; names the extra to install
-    │   ├── PortInUseError
-    │   ├── EngineStartError        a server died or did not become healthy; carries the log tail
-    │   └── ModelNotFoundError
-    ├── TransportError              talking HTTP to the router / an OpenAI-compatible server
-    │   ├── ConnectError            nothing answered (retried before the first byte)
-    │   ├── TimeoutError_           a deadline passed
-    │   ├── APIStatusError          a non-2xx answer; carries status, OpenAI error type and message
-    │   │   └── RateLimitError      429
-    │   └── StreamInterruptedError  a stream broke after it started; carries the partial output
-    ├── SessionClosedError          a closed Session was used again
-    └── ToolError                   a tool could not be described or run (not raised by tool bodies)
+AgentKVError
+├── ConfigError                 bad configuration (flags, env, file)
+├── EngineError                 starting / stopping vLLM servers
+│   ├── EngineNotInstalledError vllm (or nixl) missing; names the extra to install
+│   ├── PortInUseError
+│   ├── EngineStartError        a server died or did not become healthy; carries the log tail
+│   └── ModelNotFoundError
+├── TransportError              talking HTTP to the router / an OpenAI-compatible server
+│   ├── ConnectError            nothing answered (retried before the first byte)
+│   ├── TimeoutError_           a deadline passed
+│   ├── APIStatusError          a non-2xx answer; carries status, OpenAI error type and message
+│   │   └── RateLimitError      429
+│   └── StreamInterruptedError  a stream broke after it started; carries the partial output
+├── SessionClosedError          a closed Session was used again
+└── ToolError                   a tool could not be described or run (not raised by tool bodies)
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class ConnectError(TransportError):
     pass
 
 
-class TimeoutError_(TransportError):  # noqa: N801 - trailing underscore avoids shadowing the builtin
+class TimeoutError_(TransportError):  # trailing underscore: the builtin keeps its name
     pass
 
 

@@ -198,6 +198,9 @@ def router(
     port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
     reuse: Annotated[bool | None, typer.Option(help="Reuse decode KV (off: every turn recomputes).")] = None,
     path_policy: Annotated[str | None, typer.Option(help="auto | always-pd | always-local")] = None,
+    prefix_guard: Annotated[
+        bool | None, typer.Option(help="Router-side history check (the connector checks tokens too).")
+    ] = None,
     store_url: Annotated[str | None, typer.Option(help="redis://... for a shared store.")] = None,
     api_keys_file: Annotated[Path | None, typer.Option(help="File with one API key per line.")] = None,
     session_header: Annotated[str | None, typer.Option(help="Conversation id header.")] = None,
@@ -210,7 +213,7 @@ def router(
     overrides: dict[str, Any] = {
         "prefill": prefill or None, "decode": decode or None, "host": host, "port": port, "reuse": reuse,
         "path_policy": path_policy, "store_url": store_url, "api_keys_file": api_keys_file,
-        "session_header": session_header,
+        "session_header": session_header, "prefix_guard": prefix_guard,
     }  # fmt: skip
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:

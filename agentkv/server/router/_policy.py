@@ -62,8 +62,12 @@ def assess_reuse(
     decode: BackendState,
     now: float,
     margin_s: float,
+    check_prefix: bool = True,
 ) -> ReuseVerdict:
-    """Whether decode's retained blocks may be offered to P for this request."""
+    """Whether decode's retained blocks may be offered to P for this request.
+
+    ``check_prefix=False`` leaves the (token-exact) check to our connector on prefill; it exists to test that
+    check through the whole stack and for engines whose chat template rewrites history."""
     if not retained or prefix is None:
         return "miss"
     if expires_at is None or now + margin_s >= expires_at:
@@ -71,7 +75,7 @@ def assess_reuse(
     # A decode restart (or re-registration) frees every block; its old params would make P read garbage.
     if decode.registration is not None and not decode.registration.matches(Registration.of_params(retained)):
         return "expired"
-    if not prefix.matches(body):
+    if check_prefix and not prefix.matches(body):
         return "mismatch"
     return "ok"
 

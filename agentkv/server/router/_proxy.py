@@ -128,6 +128,7 @@ class TurnRunner:
                 decode=decode,
                 now=time.time(),
                 margin_s=self._s.expiry_margin_s,
+                check_prefix=self._s.prefix_guard,
             )
         if not (self._s.reuse and locked):
             verdict = "miss"

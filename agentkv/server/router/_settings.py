@@ -79,6 +79,9 @@ class RouterSettings(BaseSettings):
     max_conversations: int = Field(default=100_000, gt=0)
     decode_load_cap: int = Field(default=64, gt=0)
     reuse: bool = True
+    # Router-side guard: reuse only when the new messages extend the previous turn's exactly. Our connector
+    # checks tokens on prefill as well; turning this off leaves that check alone in charge.
+    prefix_guard: bool = True
     path_policy: PathPolicy = "auto"
     decode_local_max_tokens: int = Field(default=512, ge=0)
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)

@@ -1,0 +1,105 @@
+"""Conversation shapes agents produce, for the "reuse never changes an answer" suite (issue 5).
+
+Each case drives ``send(messages) -> answer text`` through one conversation id. Run against a reuse-ON and a
+reuse-OFF router, the token ids of every request must be identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._helpers import conversation_script
+
+Send = Callable[[list[dict[str, Any]]], str]
+Msg = dict[str, Any]
+
+
+def _u(text: str) -> Msg:
+    return {"role": "user", "content": text}
+
+
+def _a(text: str) -> Msg:
+    return {"role": "assistant", "content": text}
+
+
+def plain_growth(send: Send, s: list[str]) -> None:
+    h: list[Msg] = []
+    for msg in s[:3]:
+        h.append(_u(msg))
+        h.append(_a(send(h)))
+
+
+def edited_earlier_user_message(send: Send, s: list[str]) -> None:
+    h = [_u(s[0])]
+    h.append(_a(send(h)))
+    h.append(_u(s[1]))
+    h.append(_a(send(h)))
+    # The user fixes a word near the end of their first message; everything after it is unchanged.
+    words = s[0].split()
+    words[-3] = "edited"
+    h[0] = _u(" ".join(words))
+    h.append(_u(s[2]))
+    send(h)
+
+
+def regenerated_last_turn(send: Send, s: list[str]) -> None:
+    h = [_u(s[0])]
+    h.append(_a(send(h)))
+    h.append(_u(s[1]))
+    first = send(h)
+    again = send(h)  # "regenerate": the same request once more
+    h.append(_a(again if again else first))
+    h.append(_u(s[2]))
+    send(h)
+
+
+def assistant_text_shortened(send: Send, s: list[str]) -> None:
+    """Clients strip reasoning / trim answers before sending history back (vLLM issue #43094)."""
+    h = [_u(s[0])]
+    answer = send(h)
+    h.append(_a(answer[len(answer) // 2 :]))
+    h.append(_u(s[1]))
+    h.append(_a(send(h)))
+    h.append(_u(s[2]))
+    send(h)
+
+
+def conversation_id_reused(send: Send, s: list[str]) -> None:
+    h = [_u(s[0])]
+    send(h)
+    other = conversation_script(999, 2, nonce="unrelated")
+    h2 = [_u(other[0])]
+    h2.append(_a(send(h2)))
+    h2.append(_u(other[1]))
+    send(h2)
+
+
+def tool_results_inserted(send: Send, s: list[str]) -> None:
+    h = [_u(s[0])]
+    h.append(_a(send(h)))
+    h.append({"role": "tool", "content": s[1], "tool_call_id": "call_1"})
+    h.append(_a(send(h)))
+    h.append({"role": "tool", "content": s[2], "tool_call_id": "call_2"})
+    send(h)
+
+
+def history_truncated_from_front(send: Send, s: list[str]) -> None:
+    h = [_u(s[0])]
+    h.append(_a(send(h)))
+    h.append(_u(s[1]))
+    h.append(_a(send(h)))
+    h = h[2:]  # compaction: drop the oldest exchange
+    h.append(_u(s[2]))
+    send(h)
+
+
+CASES = [
+    plain_growth,
+    edited_earlier_user_message,
+    regenerated_last_turn,
+    assistant_text_shortened,
+    conversation_id_reused,
+    tool_results_inserted,
+    history_truncated_from_front,
+]
