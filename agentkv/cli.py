@@ -211,10 +211,17 @@ def router(
     from agentkv.server.router import RouterSettings, run_router
 
     overrides: dict[str, Any] = {
-        "prefill": prefill or None, "decode": decode or None, "host": host, "port": port, "reuse": reuse,
-        "path_policy": path_policy, "store_url": store_url, "api_keys_file": api_keys_file,
-        "session_header": session_header, "prefix_guard": prefix_guard,
-    }  # fmt: skip
+        "prefill": prefill or None,
+        "decode": decode or None,
+        "host": host,
+        "port": port,
+        "reuse": reuse,
+        "path_policy": path_policy,
+        "store_url": store_url,
+        "api_keys_file": api_keys_file,
+        "session_header": session_header,
+        "prefix_guard": prefix_guard,
+    }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     try:
         settings = RouterSettings.from_file(config, **overrides) if config else RouterSettings(**overrides)

@@ -2,7 +2,7 @@
 
 ``agentkv up`` starts it and writes a state file so ``agentkv down`` (another process) can stop it; tests and
 the demo use ``Cluster`` as a context manager in-process. Ports: prefill i -> ``prefill_port + i``,
-decode i -> ``decode_port + i``; NIXL side channels 5600+i / 5700+i; our connector's service at
+decode i -> ``decode_port + i``; NIXL side channels 5600+i / 5700+i (configurable); our connector's service at
 HTTP port + 1000.
 """
 
@@ -43,6 +43,7 @@ class ClusterConfig:
     prefill_port: int = DEFAULT_PREFILL_PORT
     decode_port: int = DEFAULT_DECODE_PORT
     router_port: int | None = DEFAULT_ROUTER_PORT  # None: no router
+    side_channel_port: int = 5600  # NIXL side channels: prefill i -> +i, decode i -> +100+i
     device: Device | None = None  # None: detect from the installed vLLM
     bidirectional: bool = True
     prefill_prefix_caching: bool = True
@@ -113,7 +114,7 @@ class ClusterConfig:
                     EngineSpec(
                         role="prefill",
                         port=port,
-                        side_channel_port=5600 + i,
+                        side_channel_port=self.side_channel_port + i,
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.prefill_prefix_caching,
                         cpu_core=i % ncpu if device == "cpu" else None,
@@ -130,7 +131,7 @@ class ClusterConfig:
                     EngineSpec(
                         role="decode",
                         port=port,
-                        side_channel_port=5700 + i,
+                        side_channel_port=self.side_channel_port + 100 + i,
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.decode_prefix_caching,
                         cpu_core=(self.n_prefill + i) % ncpu if device == "cpu" else None,

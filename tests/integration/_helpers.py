@@ -102,9 +102,14 @@ def chat(
 ) -> Turn:
     """One greedy turn; returns the generated token ids (asserting the request succeeded)."""
     body: dict[str, Any] = {
-        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-        "logprobs": True, "return_tokens_as_token_ids": True, **(extra or {}),
-    }  # fmt: skip
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "logprobs": True,
+        "return_tokens_as_token_ids": True,
+        **(extra or {}),
+    }
     h = dict(headers or {})
     if conversation_id:
         h["x-session-id"] = conversation_id
@@ -185,16 +190,24 @@ def pd_turn(
         kv.update(retained)
     base = {"model": MODEL, "messages": messages, "temperature": 0}
     p = httpx.post(
-        f"{prefill_url}/v1/chat/completions", json={**base, "max_tokens": 1, "kv_transfer_params": kv},
-        headers={"X-Request-Id": rid}, timeout=300,
-    )  # fmt: skip
+        f"{prefill_url}/v1/chat/completions",
+        json={**base, "max_tokens": 1, "kv_transfer_params": kv},
+        headers={"X-Request-Id": rid},
+        timeout=300,
+    )
     assert p.status_code == 200, p.text
     d = httpx.post(
         f"{decode_url}/v1/chat/completions",
-        json={**base, "max_tokens": max_tokens, "logprobs": True, "return_tokens_as_token_ids": True,
-              "kv_transfer_params": p.json()["kv_transfer_params"]},
-        headers={"X-Request-Id": rid}, timeout=300,
-    )  # fmt: skip
+        json={
+            **base,
+            "max_tokens": max_tokens,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+            "kv_transfer_params": p.json()["kv_transfer_params"],
+        },
+        headers={"X-Request-Id": rid},
+        timeout=300,
+    )
     assert d.status_code == 200, d.text
     choice = d.json()["choices"][0]
     return Turn(token_ids(choice), choice["message"]["content"] or ""), rid

@@ -64,9 +64,17 @@ def test_reuse_on_equals_off(
     # The suite must exercise reuse, not just recompute everywhere.
     assert "hit" in on_reuse or case.__name__ == "conversation_id_reused"
     assert "hit" in bare_reuse
-    print(case.__name__, "guarded:", on_reuse, "unguarded:", bare_reuse,
-          "pulled:", after["tokens_pulled"] - before["tokens_pulled"],
-          "trimmed:", after["tokens_trimmed"] - before["tokens_trimmed"])  # fmt: skip
+    print(
+        case.__name__,
+        "guarded:",
+        on_reuse,
+        "unguarded:",
+        bare_reuse,
+        "pulled:",
+        after["tokens_pulled"] - before["tokens_pulled"],
+        "trimmed:",
+        after["tokens_trimmed"] - before["tokens_trimmed"],
+    )
 
 
 def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(

@@ -30,10 +30,16 @@ def _sdk_conversation(url: str, conversation_id: str, script: list[str]) -> tupl
     for msg in script:
         history.append({"role": "user", "content": msg})
         raw = client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=history, max_tokens=12, temperature=0, stream=True, logprobs=True,  # type: ignore[arg-type]
-            stream_options={"include_usage": True}, extra_headers={"x-session-id": conversation_id},
+            model=MODEL,
+            messages=history,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            logprobs=True,  # type: ignore[arg-type]
+            stream_options={"include_usage": True},
+            extra_headers={"x-session-id": conversation_id},
             extra_body={"return_tokens_as_token_ids": True},
-        )  # fmt: skip
+        )
         reuse.append(raw.headers.get("x-agentkv-reuse", ""))
         ids: list[int] = []
         text = ""
@@ -74,9 +80,15 @@ def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router
     assert ps
     offered0 = service_info(ps)["stats"]["tokens_offered"]
     dropped0 = metric(router.url, "agentkv_client_kv_params_dropped_total")
-    evil = {"do_remote_decode": True, "remote_block_ids": [[0, 1, 2]], "remote_engine_id": "x",
-            "remote_request_id": "someone-else", "remote_host": "127.0.0.1", "remote_port": 5700,
-            "remote_num_tokens": 384}  # fmt: skip
+    evil = {
+        "do_remote_decode": True,
+        "remote_block_ids": [[0, 1, 2]],
+        "remote_engine_id": "x",
+        "remote_request_id": "someone-else",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5700,
+        "remote_num_tokens": 384,
+    }
     messages = [{"role": "user", "content": conversation_script(12, 1)[0]}]
     turn = chat(router.url, messages, conversation_id=new_id(), extra={"kv_transfer_params": evil})
     assert len(turn.ids) == 12
@@ -118,13 +130,23 @@ def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: 
         ({"content": b"{not json", "headers": {"content-type": "application/json"}}, 400),
         ({"json": {"model": MODEL, "messages": "hello"}}, 400),
         ({"json": {"model": MODEL, "messages": [], "max_tokens": "many"}}, 400),
-        ({"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
-          "headers": {"x-session-id": "x" * 5000}}, 400),
+        (
+            {
+                "json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+                "headers": {"x-session-id": "x" * 5000},
+            },
+            400,
+        ),
         ({"json": {"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}}, 404),
-        ({"content": b'{"model": "tiny", "messages": [], "pad": "' + b"x" * (9 * 1024 * 1024) + b'"}',
-          "headers": {"content-type": "application/json"}}, 413),
+        (
+            {
+                "content": b'{"model": "tiny", "messages": [], "pad": "' + b"x" * (9 * 1024 * 1024) + b'"}',
+                "headers": {"content-type": "application/json"},
+            },
+            413,
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_gets_openai_error_and_changes_nothing(
     router: RouterProc, kwargs: dict, status: int
 ) -> None:  # type: ignore[type-arg]

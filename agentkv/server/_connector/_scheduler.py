@@ -48,10 +48,16 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.is_decode = ktc.kv_role == "kv_consumer"
         self.leases: LeaseTable | None = None
         self.stats: dict[str, int] = {
-            "pulls": 0, "recomputes": 0, "tokens_offered": 0, "tokens_pulled": 0,
-            "tokens_trimmed": 0, "refused_mismatch": 0, "refused_unverified": 0, "refused_released": 0,
+            "pulls": 0,
+            "recomputes": 0,
+            "tokens_offered": 0,
+            "tokens_pulled": 0,
+            "tokens_trimmed": 0,
+            "refused_mismatch": 0,
+            "refused_unverified": 0,
+            "refused_released": 0,
             "retained": 0,
-        }  # fmt: skip
+        }
         self.cost = PullCostModel(
             static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
         )
@@ -141,9 +147,14 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         logger.info(
             "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
             "estimate=%s",
-            request.request_id, request.num_prompt_tokens, offered, verified, num_computed, pull,
+            request.request_id,
+            request.num_prompt_tokens,
+            offered,
+            verified,
+            num_computed,
+            pull,
             self.cost.last_estimate,
-        )  # fmt: skip
+        )
 
     def _still_held(self, params: dict[str, Any]) -> bool:
         """Ask decode whether the blocks are still leased, and refresh the deadline prefill will check.
@@ -206,7 +217,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         super().update_connector_output(connector_output)
         for rid in connector_output.finished_recving or ():
             self._awaiting.discard(rid)
-        for rid in connector_output.failed_recving or ():
+        for rid in getattr(connector_output, "failed_recving", None) or ():  # vLLM >= 0.30
             self._awaiting.discard(rid)
         if self.leases is not None:
             for rid in connector_output.finished_sending or ():

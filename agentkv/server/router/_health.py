@@ -15,6 +15,7 @@ from ._metrics import RouterMetrics
 __all__ = ["HealthChecker"]
 
 logger = logging.getLogger("agentkv.router")
+MISSES_TO_DOWN = 3
 
 
 class HealthChecker:
@@ -35,6 +36,7 @@ class HealthChecker:
         self._metrics = metrics
         self._timeout = httpx.Timeout(timeout_s)
         self.models: list[dict[str, Any]] | None = None
+        self._misses: dict[str, int] = {}
 
     async def check_once(self) -> None:
         await asyncio.gather(*(self._check(s) for s in (*self._prefill, *self._decode)))
@@ -49,11 +51,20 @@ class HealthChecker:
         self._metrics.healthy_backends.labels(role="decode").set(len(self._decode.healthy()))
 
     async def _check(self, state: BackendState) -> None:
+        refused = False
         try:
             resp = await self._client.get(f"{state.backend.url}/health", timeout=self._timeout)
             ok = resp.status_code == 200
+        except httpx.ConnectError:
+            ok, refused = False, True
         except httpx.HTTPError:
             ok = False
+        # A refused connection means the process is gone: out at once. A slow or failing probe (an engine
+        # busy with a long prefill on a loaded host) must fail MISSES_TO_DOWN times in a row first.
+        misses = 0 if ok else self._misses.get(state.name, 0) + 1
+        self._misses[state.name] = misses
+        if not ok and not refused and state.healthy and misses < MISSES_TO_DOWN:
+            return
         if ok != state.healthy:
             logger.warning(
                 "backend %s (%s) is now %s", state.name, state.backend.role, "up" if ok else "down"

@@ -1,0 +1,195 @@
+"""``AsyncSession``: the asyncio twin of ``Session`` over the same ``SessionCore``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
+
+from openai.types.chat import ChatCompletionMessage
+
+from agentkv._constants import DEFAULT_SESSION_HEADER
+from agentkv._exceptions import StreamInterruptedError, TransportError
+from agentkv.client import AsyncControlClient, AsyncTransport, RetryPolicy, Timeouts
+from agentkv.session._core import BaseSession, Messages, SessionCore
+from agentkv.session._delta import Delta, MessageAssembler
+from agentkv.session._heartbeat import HeartbeatTask
+from agentkv.session._session import DEFAULT_IDLE_LIMIT_S, resolve_api_key
+from agentkv.session._tools import RunResult, Toolbox, check_max_steps, step_tool_choice
+
+__all__ = ["AsyncSession"]
+
+log = logging.getLogger("agentkv.session")
+
+
+class AsyncSession(BaseSession):
+    """A multi-turn conversation whose KV cache the router keeps on decode between turns (asyncio).
+
+    Heartbeats run as a task on the event loop of the first turn; use the session from that loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        conversation_id: str | None = None,
+        system: str | None = None,
+        session_header: str = DEFAULT_SESSION_HEADER,
+        heartbeat: bool = True,
+        heartbeat_idle_limit_s: float = DEFAULT_IDLE_LIMIT_S,
+        timeout: float | Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        http_client: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ) -> None:
+        key = resolve_api_key(api_key)
+        self.base_url = base_url
+        self.api_key = key
+        self._core = SessionCore(
+            model=model,
+            conversation_id=conversation_id,
+            system=system,
+            session_header=session_header,
+            heartbeat=heartbeat,
+            heartbeat_idle_limit_s=heartbeat_idle_limit_s,
+            clock=clock,
+        )
+        self._owns_http_client = http_client is None
+        self._transport = AsyncTransport(
+            base_url=base_url,
+            api_key=key or "EMPTY",
+            timeout=timeout if timeout is not None else Timeouts(),
+            retry=retry,
+            http_client=http_client,
+            clock=clock,
+            sleep=sleep,
+        )
+        self._control = AsyncControlClient(base_url=base_url, api_key=key)
+        conversation = self._core.conversation_id
+        control = self._control
+        self._heartbeat = HeartbeatTask(
+            scheduler=self._core.scheduler,
+            beat=lambda: control.heartbeat(conversation),
+            clock=clock,
+        )
+        self._finalizer = weakref.finalize(self, self._heartbeat.cancel)
+
+    async def chat(
+        self,
+        message_or_messages: Messages,
+        *,
+        tools: Sequence[Any] | None = None,
+        final: bool = False,
+        **openai_params: Any,
+    ) -> ChatCompletionMessage:
+        """Send one turn; returns the assistant message (also appended to ``history``)."""
+        turn = self._core.prepare(
+            message_or_messages, tools=tools, stream=False, final=final, params=openai_params
+        )
+        try:
+            reply = await self._transport.complete(turn.params)
+        except BaseException:
+            self._core.fail()
+            raise
+        message = reply.value.choices[0].message
+        self._core.finish(turn, message, headers=reply.headers, usage=reply.value.usage)
+        self._heartbeat.notify()
+        return message
+
+    async def stream(
+        self,
+        message_or_messages: Messages,
+        *,
+        tools: Sequence[Any] | None = None,
+        final: bool = False,
+        **openai_params: Any,
+    ) -> AsyncIterator[Delta]:
+        """Send one turn and yield its deltas; the assembled message is appended at the end."""
+        turn = self._core.prepare(
+            message_or_messages, tools=tools, stream=True, final=final, params=openai_params
+        )
+        assembler = MessageAssembler()
+        ttft_s: float | None = None
+        try:
+            reply = await self._transport.open_stream(turn.params)
+            try:
+                async with contextlib.aclosing(self._transport.chunks(reply)) as chunks:
+                    async for chunk in chunks:
+                        delta = assembler.add(chunk)
+                        if delta is not None:
+                            ttft_s = self._core.elapsed(turn) if ttft_s is None else ttft_s
+                            yield delta
+            except TransportError as exc:
+                raise StreamInterruptedError(str(exc), partial=assembler.partial()) from exc
+        except BaseException:
+            self._core.fail()
+            raise
+        self._core.finish(
+            turn, assembler.message(), headers=reply.headers, usage=assembler.usage, ttft_s=ttft_s
+        )
+        self._heartbeat.notify()
+
+    async def run(
+        self,
+        prompt: Messages,
+        *,
+        tools: Sequence[Any],
+        max_steps: int = 8,
+        parallel_tools: bool = True,
+        tool_choice: Any = None,
+        force_tool_steps: int = 0,
+        **openai_params: Any,
+    ) -> RunResult:
+        """Chat, execute the tool calls the model makes, repeat until it answers or ``max_steps``.
+
+        ``force_tool_steps``: send ``tool_choice="required"`` on the first N steps.
+        """
+        toolbox = Toolbox(tools)
+        check_max_steps(max_steps)
+        first_turn = len(self.turns)
+        pending: Messages = prompt
+        tool_messages: list[dict[str, Any]] = []
+        for step in range(1, max_steps + 1):
+            choice = step_tool_choice(step, tool_choice=tool_choice, force_tool_steps=force_tool_steps)
+            extra = {} if choice is None else {"tool_choice": choice}
+            message = await self.chat(pending, tools=toolbox.schemas(), **extra, **openai_params)
+            if not message.tool_calls:
+                break
+            pending = await toolbox.aexecute(message.tool_calls, parallel=parallel_tools)
+            tool_messages.extend(pending)
+        else:
+            self._core.append(pending)  # type: ignore[arg-type]
+        return self._core.run_result(message, steps=step, first_turn=first_turn, tool_messages=tool_messages)
+
+    async def lease(self) -> dict[str, Any] | None:
+        """The router's view of this conversation's lease (None: unknown to the server)."""
+        return await self._control.lookup(self.conversation_id)
+
+    async def aclose(self, *, release: bool = True) -> None:
+        """Stop heartbeats and (by default) release decode's retained blocks now."""
+        if self._core.closed:
+            return
+        self._core.closed = True
+        self._finalizer.detach()
+        await self._heartbeat.stop()
+        try:
+            if release:
+                await self._control.release(self.conversation_id)
+        except TransportError as exc:
+            log.debug("release of %s failed: %s", self.conversation_id, exc)
+        finally:
+            await self._control.aclose()
+            if self._owns_http_client:
+                await self._transport.close()
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

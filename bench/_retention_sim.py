@@ -1,0 +1,294 @@
+"""Discrete-event replay of decode-side KV retention: heartbeat lease vs vLLM's fixed TTL pin.
+
+What is real and what is simulated (also in bench/README.md):
+
+* Real: the lease policy object, ``agentkv.server._connector._leases.LeaseTable`` (the table decode's
+  scheduler and retention service share), driven through ``add``/``renew``/``release``/``drain``/
+  ``lookup``/``forget`` exactly as the connector does, on a virtual clock injected through its ``clock``.
+* Modelled: vLLM's fixed pin (``decoder_kv_blocks_ttl``: a deadline of finish + TTL, never renewed, no
+  release API) in ``FixedTTL``; prefill's rule that it declines a pull within 5 s of decode's expiry;
+  service time (prefill of the uncached tokens at ``prefill_us_per_token`` + ``output_length`` x ``itl_ms``).
+* Synthesised: conversations (grouped from the trace's ``hash_ids``), which agents vanish and when,
+  which conversations get long tool gaps, heartbeats every ``lease_s / 3`` while an agent is alive.
+* Time is virtual: a run replays the trace's ~17 minutes (plus the tail of retention) in a second or two.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from agentkv._constants import DEFAULT_LEASE_S, DEFAULT_MAX_LEASE_S, VLLM_FIXED_TTL_S
+from bench._fake_vllm import DECLINE_MARGIN_S
+from bench._trace import Conversation
+
+__all__ = ["FixedTTL", "HeartbeatLease", "Policy", "Scenario", "ScriptedTurn", "replay", "script_scenario"]
+
+
+class Policy(Protocol):
+    name: str
+
+    def add(self, request_id: str, num_tokens: int) -> float: ...
+    def heartbeat(self, request_id: str) -> float | None: ...
+    def close(self, request_id: str) -> bool: ...
+    def remaining(self, request_id: str) -> float | None: ...
+    def read(self, request_id: str) -> None: ...
+
+
+class FixedTTL:
+    """vLLM's decode pin: finish + TTL, not renewable, not releasable; one prefill read frees it."""
+
+    def __init__(self, *, ttl_s: float, clock: Callable[[], float]) -> None:
+        self.name = f"fixed TTL {ttl_s:g}s"
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._deadlines: dict[str, float] = {}
+
+    def add(self, request_id: str, num_tokens: int) -> float:
+        self._deadlines[request_id] = self._clock() + self._ttl_s
+        return self._deadlines[request_id]
+
+    def heartbeat(self, request_id: str) -> float | None:
+        return None  # nothing to renew: stock vLLM has no decode-side lease
+
+    def close(self, request_id: str) -> bool:
+        return False  # and no way to release early
+
+    def remaining(self, request_id: str) -> float | None:
+        deadline = self._deadlines.get(request_id)
+        if deadline is None or deadline <= self._clock():
+            return None
+        return deadline - self._clock()
+
+    def read(self, request_id: str) -> None:
+        self._deadlines.pop(request_id, None)
+
+
+class HeartbeatLease:
+    """The real ``LeaseTable``, operated the way the connector's scheduler and service operate it."""
+
+    def __init__(self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float]) -> None:
+        from agentkv.server._connector._leases import LeaseTable
+
+        self.name = f"heartbeat lease {lease_s:g}s"
+        self._lease_s = lease_s
+        self._clock = clock
+        self.table = LeaseTable(lease_s=lease_s, max_lease_s=max_lease_s, clock=clock)
+
+    def add(self, request_id: str, num_tokens: int) -> float:
+        return float(self.table.add(request_id, {"remote_request_id": request_id}, num_tokens))
+
+    def heartbeat(self, request_id: str) -> float | None:
+        answer = self.table.renew(request_id, self._lease_s)
+        self.table.drain()  # the scheduler applies queued renewals at its next step
+        if answer is None:
+            return None
+        return self._clock() + float(answer["expires_in_s"])
+
+    def close(self, request_id: str) -> bool:
+        released = self.table.release(request_id)
+        self.table.drain()
+        return bool(released)
+
+    def remaining(self, request_id: str) -> float | None:
+        answer = self.table.lookup(request_id)
+        return None if answer is None else float(answer["expires_in_s"])
+
+    def read(self, request_id: str) -> None:
+        self.table.forget(request_id)
+
+
+@dataclass(kw_only=True)
+class Scenario:
+    seed: int = 0
+    vanish_fraction: float = 0.3  # agents that disappear mid-conversation (no close, no heartbeats)
+    long_gap_fraction: float = 0.2  # conversations whose tool gaps are drawn long
+    long_gap_s: tuple[float, float] = (1.5 * DEFAULT_LEASE_S, 1.5 * VLLM_FIXED_TTL_S)
+    lease_s: float = DEFAULT_LEASE_S
+    max_lease_s: float = DEFAULT_MAX_LEASE_S
+    ttl_s: float = VLLM_FIXED_TTL_S
+    block_size: int = 16
+    prefill_us_per_token: float = 19.0  # Qwen3-8B on an H200 (docs: landscape.md)
+    itl_ms: float = 20.0
+    capacity_blocks: int | None = None  # decode KV blocks available for retention; None = unbounded
+
+
+@dataclass(kw_only=True)
+class ScriptedTurn:
+    input_length: int
+    output_length: int
+    gap_s: float  # think/tool time after the previous turn finished (first turn: absolute arrival)
+
+
+@dataclass(kw_only=True)
+class ScriptedConversation:
+    turns: list[ScriptedTurn]
+    vanishes: bool  # True: the agent disappears after its last scripted turn; False: it closes
+
+
+def script_scenario(conversations: list[Conversation], scenario: Scenario) -> list[ScriptedConversation]:
+    """Turn grouped trace conversations into scripts: gaps, long tool gaps, vanishing agents (seeded)."""
+    rng = random.Random(scenario.seed)
+    scripts = []
+    for conversation in conversations:
+        requests = conversation.requests
+        vanishes = rng.random() < scenario.vanish_fraction
+        last = rng.randrange(len(requests)) if vanishes else len(requests) - 1
+        long_gaps = rng.random() < scenario.long_gap_fraction
+        turns = []
+        for index, request in enumerate(requests[: last + 1]):
+            if index == 0:
+                gap = request.timestamp_s
+            elif long_gaps:
+                gap = rng.uniform(*scenario.long_gap_s)
+            else:
+                # The trace's own inter-arrival time stands for the tool/think gap.
+                gap = max(0.0, request.timestamp_s - requests[index - 1].timestamp_s)
+            turns.append(
+                ScriptedTurn(
+                    input_length=request.input_length, output_length=request.output_length, gap_s=gap
+                )
+            )
+        scripts.append(ScriptedConversation(turns=turns, vanishes=vanishes))
+    return scripts
+
+
+@dataclass
+class _Entry:
+    start: float
+    tokens: int
+    blocks: int
+    deadline: float
+
+
+@dataclass
+class _Stats:
+    block_seconds: float = 0.0
+    continuation_turns: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    prompt_tokens: int = 0
+    refused: int = 0
+    released: int = 0
+    expired: int = 0
+    read: int = 0
+    heartbeats: int = 0
+    peak_blocks: int = 0
+    timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, retained blocks)
+
+
+def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name: str) -> dict[str, Any]:
+    """Replay every script against one policy; returns block-seconds, hit rate and counters."""
+    now = 0.0
+
+    def clock() -> float:
+        return now
+
+    policy: Policy
+    if policy_name == "lease":
+        policy = HeartbeatLease(lease_s=scenario.lease_s, max_lease_s=scenario.max_lease_s, clock=clock)
+    else:
+        policy = FixedTTL(ttl_s=scenario.ttl_s, clock=clock)
+    stats = _Stats()
+    live: dict[str, _Entry] = {}
+    retained_of: dict[int, str] = {}  # conversation -> request id decode holds for it
+    events: list[tuple[float, int, str, int, int]] = []  # (time, seq, kind, conversation, turn)
+    seq = 0
+
+    def push(at: float, kind: str, conversation: int, turn: int) -> None:
+        nonlocal seq
+        heapq.heappush(events, (at, seq, kind, conversation, turn))
+        seq += 1
+
+    def settle(request_id: str, end: float, counter: str) -> None:
+        entry = live.pop(request_id)
+        stats.block_seconds += entry.blocks * max(0.0, min(end, entry.deadline) - entry.start)
+        setattr(stats, counter, getattr(stats, counter) + 1)
+
+    def sweep() -> int:
+        for request_id in [rid for rid, entry in live.items() if entry.deadline <= now]:
+            settle(request_id, now, "expired")
+        return sum(entry.blocks for entry in live.values())
+
+    for index, script in enumerate(scripts):
+        push(script.turns[0].gap_s, "arrive", index, 0)
+    heartbeat_s = scenario.lease_s / 3
+    while events:
+        now, _, kind, conversation, turn = heapq.heappop(events)
+        script = scripts[conversation]
+        request_id = retained_of.get(conversation)
+        if kind == "heartbeat":
+            # A chain of heartbeats belongs to one turn's retention; it stops when the next turn starts.
+            if request_id == f"c{conversation}t{turn}" and request_id in live:
+                deadline = policy.heartbeat(request_id)
+                stats.heartbeats += 1
+                if deadline is not None:
+                    live[request_id].deadline = deadline
+                    push(now + heartbeat_s, "heartbeat", conversation, turn)
+        elif kind == "arrive":
+            spec = script.turns[turn]
+            reused = 0
+            if turn > 0:
+                stats.continuation_turns += 1
+                remaining = None if request_id is None else policy.remaining(request_id)
+                if request_id is not None and remaining is not None and remaining > DECLINE_MARGIN_S:
+                    stats.hits += 1
+                    reused = min(live[request_id].tokens, spec.input_length)
+                if request_id is not None and request_id in live and remaining is not None:
+                    policy.read(request_id)  # one read (or a recompute notification) frees D's request
+                    settle(request_id, now, "read")
+                retained_of.pop(conversation, None)
+            stats.prompt_tokens += spec.input_length
+            stats.reused_tokens += reused
+            service = (spec.input_length - reused) * scenario.prefill_us_per_token / 1e6
+            service += spec.output_length * scenario.itl_ms / 1000
+            push(now + service, "finish", conversation, turn)
+        elif kind == "finish":
+            spec = script.turns[turn]
+            tokens = spec.input_length + spec.output_length - 1  # vLLM's num_computed_tokens
+            blocks = math.ceil(tokens / scenario.block_size)
+            in_use = sweep()
+            if scenario.capacity_blocks is not None and in_use + blocks > scenario.capacity_blocks:
+                stats.refused += 1  # no room: decode frees the blocks instead of retaining them
+            else:
+                new_id = f"c{conversation}t{turn}"
+                live[new_id] = _Entry(
+                    start=now, tokens=tokens, blocks=blocks, deadline=policy.add(new_id, tokens)
+                )
+                retained_of[conversation] = new_id
+                stats.peak_blocks = max(stats.peak_blocks, in_use + blocks)
+                stats.timeline.append((now, in_use + blocks))
+            last_turn = turn == len(script.turns) - 1
+            if not last_turn:
+                push(now + script.turns[turn + 1].gap_s, "arrive", conversation, turn + 1)
+                if conversation in retained_of:
+                    push(now + heartbeat_s, "heartbeat", conversation, turn)
+            elif not script.vanishes:
+                push(now, "close", conversation, turn)
+            # else: a vanished agent sends nothing more; its retention runs out on its own.
+        elif kind == "close" and request_id is not None and request_id in live:
+            if policy.close(request_id):
+                settle(request_id, now, "released")
+            retained_of.pop(conversation, None)
+    now = math.inf
+    for request_id in list(live):
+        settle(request_id, live[request_id].deadline, "expired")
+    return {
+        "policy": policy.name,
+        "block_seconds": stats.block_seconds,
+        "hit_rate": stats.hits / stats.continuation_turns if stats.continuation_turns else None,
+        "hits": stats.hits,
+        "continuation_turns": stats.continuation_turns,
+        "reused_token_fraction": stats.reused_tokens / stats.prompt_tokens if stats.prompt_tokens else None,
+        "refused": stats.refused,
+        "released": stats.released,
+        "expired": stats.expired,
+        "read": stats.read,
+        "heartbeats": stats.heartbeats,
+        "peak_blocks": stats.peak_blocks,
+        "timeline": stats.timeline,
+    }

@@ -1,0 +1,149 @@
+"""Against stock vLLM (its own NixlConnector, no agentkv connector): what upstream does, and that the router
+still works with vLLM's fixed TTL.
+
+Also the suite's proof that it can fail: with the router guard off and no connector check, upstream's
+trust in ``remote_num_tokens`` changes answers for histories that do not extend what decode holds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentkv.server._cluster import Cluster, ClusterConfig
+
+from ._cases import assistant_text_shortened, conversation_id_reused, edited_earlier_user_message
+from ._helpers import RouterProc, chat, conversation_script, metric, new_id, pd_turn, start_router
+from .conftest import LOG_DIR
+from .test_reuse_correctness import run_case
+
+TTL_S = 20
+
+
+@pytest.fixture(scope="module")
+def stock(model_dir: Path) -> Iterator[Cluster]:
+    cfg = ClusterConfig(
+        model=str(model_dir),
+        prefill_port=28100,
+        decode_port=28200,
+        side_channel_port=6600,
+        router_port=None,
+        prefill_prefix_caching=False,
+        agentkv_connector=False,
+        decoder_kv_blocks_ttl=TTL_S,
+        max_model_len=4096,
+        log_dir=LOG_DIR / "stock",
+    )
+    c = Cluster(config=cfg)
+    c.up()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[RouterProc]:
+    r = start_router(
+        port=port,
+        prefill=[e.spec.url for e in stock.prefills],
+        decode=[e.spec.url for e in stock.decodes],
+        log=LOG_DIR / f"router-stock-{name}.log",
+        args=["--path-policy", "always-pd", *args],
+    )
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def upstream_router(stock: Cluster) -> Iterator[RouterProc]:
+    yield from _router(stock, 28000, "unguarded", "--no-prefix-guard")
+
+
+@pytest.fixture(scope="module")
+def stock_router(stock: Cluster) -> Iterator[RouterProc]:
+    yield from _router(stock, 28001, "guarded")
+
+
+@pytest.fixture(scope="module")
+def stock_off(stock: Cluster) -> Iterator[RouterProc]:
+    yield from _router(stock, 28002, "off", "--no-reuse")
+
+
+def test_upstream_behaviour_changes_answers(upstream_router: RouterProc, stock_off: RouterProc) -> None:
+    """Without any prefix check some agent history shape gets different tokens: the suite can fail."""
+    differing = []
+    for i, case in enumerate([assistant_text_shortened, edited_earlier_user_message, conversation_id_reused]):
+        script = conversation_script(300 + i, 3)
+        off, _ = run_case(case, stock_off.url, script)
+        on, reuse = run_case(case, upstream_router.url, script)
+        assert "hit" in reuse
+        if on != off:
+            differing.append(case.__name__)
+    print("upstream changed answers in:", differing)
+    assert differing
+
+
+def test_guarded_router_on_stock_engines_keeps_answers(
+    stock_router: RouterProc, stock_off: RouterProc
+) -> None:
+    script = conversation_script(310, 3)
+    off, _ = run_case(assistant_text_shortened, stock_off.url, script)
+    on, reuse = run_case(assistant_text_shortened, stock_router.url, script)
+    assert on == off and "mismatch" in reuse
+
+
+def test_fixed_ttl_reported_and_late_turn_recomputes(
+    stock: Cluster, stock_router: RouterProc, stock_off: RouterProc
+) -> None:
+    cid = new_id("ttl")
+    script = conversation_script(320, 2)
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    first = chat(stock_router.url, h, conversation_id=cid)
+    lease = httpx.get(f"{stock_router.url}/v1/conversations/{cid}", timeout=5).json()["lease"]
+    assert lease["state"] == "fixed_ttl" and lease["renewable"] is False
+    assert 0 < lease["expires_in_s"] <= TTL_S
+    hb = httpx.post(f"{stock_router.url}/v1/conversations/{cid}/heartbeat", timeout=5)
+    assert (
+        hb.status_code == 200 and hb.json()["lease"]["expires_in_s"] <= lease["expires_in_s"]
+    )  # not renewed
+    time.sleep(TTL_S + 1)
+    h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    late = chat(stock_router.url, h, conversation_id=cid)
+    assert late.headers.get("x-agentkv-reuse") == "expired"
+    assert late.ids == chat(stock_off.url, h).ids
+
+
+def test_stale_params_after_ttl_are_declined_by_prefill(stock: Cluster, stock_off: RouterProc) -> None:
+    """The engine's own safety net: prefill declines an expired read and recomputes (no 500)."""
+    p, d = stock.prefills[0].spec.url, stock.decodes[0].spec.url
+    script = conversation_script(330, 2)
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    rid = new_id("stale")
+    body = {"model": "tiny", "messages": h, "max_tokens": 12, "temperature": 0}
+    pr = httpx.post(
+        f"{p}/v1/chat/completions",
+        headers={"X-Request-Id": rid},
+        timeout=120,
+        json={**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+    )
+    dr = httpx.post(
+        f"{d}/v1/chat/completions",
+        headers={"X-Request-Id": rid},
+        timeout=120,
+        json={**body, "kv_transfer_params": pr.json()["kv_transfer_params"]},
+    ).json()
+    stale = dr["kv_transfer_params"]  # a non-streaming decode response carries what it retained
+    assert stale and stale["remote_block_ids"]
+    time.sleep(TTL_S + 1)
+    expired0 = metric(p, "vllm:nixl_num_kv_expired_reqs_total")
+    h += [
+        {"role": "assistant", "content": dr["choices"][0]["message"]["content"]},
+        {"role": "user", "content": script[1]},
+    ]
+    late, _ = pd_turn(p, d, h, retained=stale)
+    assert late.ids == chat(stock_off.url, h).ids
+    assert metric(p, "vllm:nixl_num_kv_expired_reqs_total") > expired0

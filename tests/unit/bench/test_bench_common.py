@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from bench._common import percentile, summarize, write_results
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
+        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
+        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
+        ([1.0, 2.0, 3.0, 4.0, 5.0], 90, 4.6),
+        ([10.0], 99, 10.0),
+        ([3.0, 1.0, 2.0], 50, 2.0),  # unsorted input
+    ],
+)
+def test_percentile_interpolates_linearly_between_ranks(
+    values: list[float], q: float, expected: float
+) -> None:
+    assert percentile(values, q) == pytest.approx(expected)
+
+
+def test_percentile_matches_numpy_default() -> None:
+    np = pytest.importorskip("numpy")
+    values = [0.3, 7.1, 2.2, 9.9, 4.4, 4.4, 0.0, 12.5, 3.3]
+    for q in (1, 25, 50, 75, 90, 99):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_of_nothing_is_nan_not_zero() -> None:
+    assert math.isnan(percentile([], 50))
+
+
+@pytest.mark.parametrize("q", [-1, 100.5])
+def test_percentile_rejects_out_of_range(q: float) -> None:
+    with pytest.raises(ValueError):
+        percentile([1.0], q)
+
+
+def test_summarize_scales_every_statistic_but_the_count() -> None:
+    summary = summarize([0.001, 0.002, 0.003], scale=1000)
+    assert summary["count"] == 3
+    assert summary["p50"] == pytest.approx(2.0)
+    assert summary["mean"] == pytest.approx(2.0)
+    assert summary["max"] == pytest.approx(3.0)
+
+
+def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path) -> None:
+    path = write_results(
+        "demo", {"p50": math.nan, "rows": [1, 2]}, "python -m bench.demo --x 1", out_dir=tmp_path
+    )
+    document = json.loads(path.read_text())
+    assert path == tmp_path / "demo.json"
+    assert document["command"] == "python -m bench.demo --x 1"
+    assert document["data"] == {"p50": None, "rows": [1, 2]}
+    assert document["versions"]["python"]
+    assert "httpx" in document["versions"]["packages"]

@@ -1,0 +1,62 @@
+"""The retention replay: the lease (real LeaseTable) vs the fixed TTL on hand-built scripts."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench._retention_sim import Scenario, ScriptedConversation, ScriptedTurn, replay
+
+pytest.importorskip("agentkv.server._connector._leases")
+
+# Service time zero so block-seconds are exact: tokens 16*10+1 -> 160 computed -> 10 blocks.
+SCENARIO = Scenario(lease_s=30, ttl_s=480, block_size=16, prefill_us_per_token=0, itl_ms=0)
+
+
+def turn(gap: float) -> ScriptedTurn:
+    return ScriptedTurn(input_length=160, output_length=1, gap_s=gap)
+
+
+def run(scripts: list[ScriptedConversation], policy: str, scenario: Scenario = SCENARIO) -> dict:
+    return replay(scripts, scenario, policy)
+
+
+def test_closed_single_turn_is_pinned_480s_by_vllm_and_released_at_once_by_the_lease() -> None:
+    scripts = [ScriptedConversation(turns=[turn(0)], vanishes=False)]
+    assert run(scripts, "fixed")["block_seconds"] == pytest.approx(10 * 480)
+    lease = run(scripts, "lease")
+    assert lease["block_seconds"] == pytest.approx(0)
+    assert lease["released"] == 1
+
+
+def test_a_vanished_agent_holds_the_lease_once_then_expires() -> None:
+    scripts = [ScriptedConversation(turns=[turn(0)], vanishes=True)]
+    lease = run(scripts, "lease")
+    assert lease["block_seconds"] == pytest.approx(10 * 30)
+    assert lease["expired"] == 1 and lease["heartbeats"] == 0
+
+
+def test_heartbeats_keep_a_long_tool_gap_alive_that_the_fixed_ttl_loses() -> None:
+    scripts = [ScriptedConversation(turns=[turn(0), turn(600)], vanishes=False)]
+    fixed, lease = run(scripts, "fixed"), run(scripts, "lease")
+    assert fixed["hit_rate"] == 0.0
+    assert lease["hit_rate"] == 1.0
+    assert lease["heartbeats"] >= 600 // 10 - 1
+    # The lease held turn 1 for the whole gap, then released turn 2 on close.
+    assert lease["block_seconds"] == pytest.approx(10 * 600)
+
+
+def test_a_short_gap_hits_under_both_and_the_read_frees_the_blocks() -> None:
+    scripts = [ScriptedConversation(turns=[turn(0), turn(20)], vanishes=False)]
+    fixed, lease = run(scripts, "fixed"), run(scripts, "lease")
+    assert fixed["hit_rate"] == lease["hit_rate"] == 1.0
+    assert fixed["read"] == lease["read"] == 1
+    assert fixed["block_seconds"] == pytest.approx(10 * 20 + 10 * 480)  # turn 2 pinned after close
+    assert lease["block_seconds"] == pytest.approx(10 * 20)
+
+
+def test_a_full_decode_refuses_to_retain() -> None:
+    capped = Scenario(**{**SCENARIO.__dict__, "capacity_blocks": 15})
+    scripts = [ScriptedConversation(turns=[turn(0)], vanishes=True) for _ in range(2)]
+    result = run(scripts, "fixed", capped)
+    assert result["refused"] == 1
+    assert result["peak_blocks"] == 10
