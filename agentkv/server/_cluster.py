@@ -59,6 +59,7 @@ class ClusterConfig:
     block_size: int | None = None
     log_dir: Path = Path(".agentkv/logs")
     router_env: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
     extra_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
 
@@ -104,6 +105,7 @@ class ClusterConfig:
             block_size=self.block_size,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
+            env=dict(self.env),
         )
         out = []
         for i in range(self.n_prefill):

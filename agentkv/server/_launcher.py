@@ -101,6 +101,10 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
         if spec.device == "gpu":
             # A GPU step is ~ms; keep the idle back-off short so a new turn never waits for it.
             extra.setdefault("agentkv_idle_sleep_max_ms", 2.0)
+    if spec.device == "gpu":
+        # One NIXL descriptor per block instead of one per layer and block (~150 instead of ~20k for a 24k
+        # pull on Qwen3-8B): the pull's cost was posting descriptors, not moving bytes (shared/gpu/README).
+        extra.setdefault("enable_cross_layers_blocks", "True")
     extra.update(spec.extra_kv_config)
     cfg: dict[str, object] = {
         "kv_connector": "NixlConnector",
@@ -125,8 +129,9 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     argv += ["--disable-uvicorn-access-log", "--seed", "0"]
     if spec.enforce_eager:
         argv.append("--enforce-eager")
-    if spec.block_size:
-        argv += ["--block-size", str(spec.block_size)]
+    block_size = spec.block_size or (64 if spec.device == "gpu" else None)  # GPU: fewer, larger descriptors
+    if block_size:
+        argv += ["--block-size", str(block_size)]
     if spec.device == "cpu":
         argv += ["--dtype", "bfloat16"]
     if spec.role != "single":
@@ -152,7 +157,9 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(spec.cpu_core)
     else:
         # UCX turns CUDA-IPC GET off without NVLink and reads crawl over TCP (shared/gpu/README.md).
-        env.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+        env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "y"
+        # vLLM 0.26's default V2 model runner silently ignores enable_cross_layers_blocks; V1 honours it.
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env.update(spec.env)
     return argv, env
 

@@ -18,6 +18,8 @@ from ._helpers import RouterProc, start_router
 
 LOG_DIR = Path(os.environ.get("AGENTKV_IT_LOGS", ".agentkv/it-logs"))
 P_PORT, D_PORT = 18100, 18200
+# Short enough that tests can outlast it; long enough for prefill's 5 s expiry margin and the router's 6 s.
+LEASE_S = 14
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -41,7 +43,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         decode_port=D_PORT,
         router_port=None,
         prefill_prefix_caching=False,
-        lease_s=30,
+        lease_s=LEASE_S,
         max_model_len=4096,
         log_dir=LOG_DIR / "main",
     )

@@ -1,0 +1,127 @@
+"""``agentkv demo``: the whole product on one CPU machine in a few minutes.
+
+Builds the tiny model, starts 1P1D (prefill without prefix caching, so every reused token comes from decode)
+with the router, and runs the SDK's tool-calling research agent through two routers on the same engines:
+reuse OFF (prefill recomputes every turn) then ON. Prints one row per model call and a summary.
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from agentkv._exceptions import EngineStartError
+from agentkv.server._launcher import kill_group, tail
+
+__all__ = ["run_demo"]
+
+ON_PORT, OFF_PORT = 8000, 8001
+
+
+def _start_off_router(cluster: Any, log: Path) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(OFF_PORT), "--no-reuse"]
+    argv += [a for e in cluster.prefills for a in ("--prefill", e.spec.url)]
+    argv += [a for e in cluster.decodes for a in ("--decode", e.spec.url)]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    for _ in range(200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{OFF_PORT}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    kill_group(proc.pid)
+    raise EngineStartError("reuse-OFF router did not start", log_tail=tail(log))
+
+
+def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) -> dict[str, Any]:
+    from agentkv.cli import ensure_tiny_model
+    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.session import run_research_agent
+
+    model = ensure_tiny_model()
+    cfg = ClusterConfig(model=str(model), router_port=ON_PORT, prefill_prefix_caching=False, lease_s=120)
+    cluster = Cluster(config=cfg)
+    t0 = time.monotonic()
+    with console.status("starting prefill, decode and the router (1-3 minutes on 2 CPU cores) ...") as status:
+        cluster.up(on_tick=lambda name, t: status.update(f"starting engines ... {name} {t:.0f}s"))
+    console.print(f"cluster ready in {time.monotonic() - t0:.0f}s: router at {cfg.router_url}/v1")
+    off = _start_off_router(cluster, cfg.log_dir / "router-off.log")
+    rows: list[dict[str, Any]] = []
+    try:
+        for leg, port in (("OFF", OFF_PORT), ("ON", ON_PORT)):
+            for conv in range(conversations):
+                with console.status(
+                    f"reuse {leg}: research agent, conversation {conv + 1}/{conversations} ..."
+                ):
+                    run = run_research_agent(
+                        f"http://127.0.0.1:{port}/v1",
+                        turns=turns,
+                        force_tool_steps=1,
+                        max_steps=3,
+                        max_tokens=24,
+                    )
+                for t in run.turns:
+                    rows.append(
+                        {
+                            "leg": leg,
+                            "conversation": conv + 1,
+                            "call": t.index + 1,
+                            "prompt_tokens": t.prompt_tokens,
+                            "reused_tokens": t.reused_tokens or 0,
+                            "reuse": t.reuse,
+                            "path": t.path,
+                            "prefill_ms": t.prefill_ms,
+                            "ttft_ms": None if t.ttft_s is None else round(t.ttft_s * 1e3, 1),
+                            "total_ms": round(t.total_s * 1e3, 1),
+                        }
+                    )
+    finally:
+        kill_group(off.pid)
+        if not keep:
+            cluster.down()
+        else:
+            cluster.write_state()
+    _print(rows, console)
+    return {"rows": rows, "engine_start_s": cluster.start_seconds}
+
+
+def _print(rows: list[dict[str, Any]], console: Console) -> None:
+    table = Table(title="agentkv demo: every model call of the research agent")
+    cols = [
+        "leg",
+        "conversation",
+        "call",
+        "prompt_tokens",
+        "reused_tokens",
+        "reuse",
+        "path",
+        "prefill_ms",
+        "ttft_ms",
+        "total_ms",
+    ]
+    for col in cols:
+        table.add_column(col.replace("_", " "), justify="right")
+    for r in rows:
+        table.add_row(*("-" if r[c] is None else str(r[c]) for c in cols))
+    console.print(table)
+    for leg in ("OFF", "ON"):
+        rs = [r for r in rows if r["leg"] == leg and r["call"] > 1]
+        pre = [r["prefill_ms"] for r in rs if r["prefill_ms"]]
+        tot = [r["total_ms"] for r in rs]
+        reused = sum(r["reused_tokens"] for r in rs)
+        prompt = sum(r["prompt_tokens"] or 0 for r in rs)
+        med_pre = statistics.median(pre) if pre else 0.0
+        med_tot = statistics.median(tot) if tot else 0.0
+        console.print(
+            f"reuse {leg}: calls after the first: median prefill {med_pre:.0f} ms, "
+            f"median call {med_tot:.0f} ms, {reused}/{prompt} prompt tokens reused"
+        )

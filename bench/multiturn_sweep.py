@@ -1,0 +1,414 @@
+"""Multi-turn sweep through the router: TTFT vs prompt length, reuse OFF vs ON (the published result).
+
+    python -m bench.multiturn_sweep                         # CPU, tiny model, small lengths
+    python -m bench.multiturn_sweep --device gpu --model /root/model --lengths 2048,8192,16384,24576
+
+Two legs, each on its own freshly started 1P1D cluster: OFF (``bidirectional_kv_xfer`` false on both servers,
+router reuse off) and ON (true on both, reuse on). Prefill runs without prefix caching in both legs (the
+cache-eviction case the published benchmark emulates), so every reused token comes from decode.
+
+Shapes: ``published`` grows each conversation turn by turn to the given lengths (router path always P/D, so
+the pull is measured); ``agentic`` builds a context of each length, then sends a tool-result-sized suffix
+(router path ``auto``, so short suffixes may be prefilled on decode). Conversations run one at a time so the
+engine's NIXL counters can be attributed to a turn. Per request the fields follow vLLM's multi-turn
+benchmark (``ttft_ms``, ``input_num_tokens``, ``output_num_tokens``, ``conversation_id``, ...), plus the
+router's prefill time and the KV transfer time/bytes/descriptors read from prefill's ``/metrics``.
+
+Writes ``multiturn_sweep.json`` (+ PNGs when matplotlib is installed; ``--plot FILE`` re-plots a JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+NIXL = {
+    "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
+    "xfers": "vllm:nixl_xfer_time_seconds_count",
+    "post_s": "vllm:nixl_post_time_seconds_sum",
+    "bytes": "vllm:nixl_bytes_transferred_sum",
+    "descriptors": "vllm:nixl_num_descriptors_sum",
+}
+_SAMPLE = re.compile(r"^([a-zA-Z_:]+)(?:\{[^}]*\})? ([-+0-9.eE]+)$")
+
+
+def scrape(url: str) -> dict[str, float]:
+    out = dict.fromkeys(NIXL, 0.0)
+    names = {v: k for k, v in NIXL.items()}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m[1] in names:
+            out[names[m[1]]] += float(m[2])
+    return out
+
+
+class Words:
+    """Filler text. A WordLevel tokenizer (the GPU recipe's) makes one token per ``w<N>`` word."""
+
+    def __init__(self, model_dir: str, seed: int) -> None:
+        self.rng = random.Random(seed)
+        kind = ""
+        tok = Path(model_dir) / "tokenizer.json"
+        if tok.exists():
+            kind = json.loads(tok.read_text()).get("model", {}).get("type", "")
+        self.wordlevel = kind == "WordLevel"
+        self.vocab = "agent tool search file row column query report number answer table cache block".split()
+
+    def text(self, n_tokens: int) -> str:
+        if self.wordlevel:
+            return " ".join(f"w{self.rng.randint(10, 150_000)}" for _ in range(n_tokens))
+        # BPE on the tiny model: about 1.3 tokens per word+number pair; corrected by measured usage.
+        return " ".join(
+            self.rng.choice(self.vocab) + str(self.rng.randint(0, 99)) for _ in range(n_tokens // 2)
+        )
+
+
+def stream_turn(
+    router: str, model: str, cid: str, messages: list[dict[str, str]], out_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": out_tokens,
+        "min_tokens": out_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    text, usage = "", {}
+    with httpx.stream(
+        "POST", f"{router}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=600
+    ) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
+        headers = dict(r.headers)
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            for ch in chunk.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft or time.perf_counter()
+                    text += piece
+            usage = chunk.get("usage") or usage
+    end = time.perf_counter()
+    return {
+        "ttft_ms": round(((ttft or end) - t0) * 1e3, 2),
+        "latency_ms": round((end - t0) * 1e3, 2),
+        "input_num_tokens": usage.get("prompt_tokens"),
+        "output_num_tokens": usage.get("completion_tokens"),
+        "prefill_ms": float(headers.get("x-agentkv-prefill-ms") or "nan"),
+        "reuse": headers.get("x-agentkv-reuse"),
+        "path": headers.get("x-agentkv-path"),
+        "reused_tokens": int(headers.get("x-agentkv-reused-tokens") or 0),
+        "text": text,
+    }
+
+
+def run_leg(
+    args: argparse.Namespace, shape: str, leg: str, prefill_url: str, router: str, model: str
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    lengths = [int(x) for x in args.lengths.split(",")]
+    for conv in range(args.conversations):
+        words = Words(args.model, seed=1000 * conv + 7)  # same text in both legs
+        if shape == "published":
+            plan = [(f"turn{i + 1}", n) for i, n in enumerate(lengths)]
+            convs = [plan]
+        else:
+            convs = [[("context", n), ("suffix", n + args.suffix)] for n in lengths]
+        for plan in convs:
+            cid = f"{leg}-{conv}-{uuid.uuid4().hex[:8]}"
+            history: list[dict[str, str]] = []
+            have = 0
+            for turn, (label, target) in enumerate(plan):
+                add = max(16, target - have)
+                history.append({"role": "user", "content": words.text(add)})
+                before = scrape(prefill_url)
+                row = stream_turn(router, model, cid, history, args.output_tokens)
+                after = scrape(prefill_url)
+                history.append({"role": "assistant", "content": row.pop("text")})
+                have = (row["input_num_tokens"] or target) + args.output_tokens
+                xfer = {k: after[k] - before[k] for k in NIXL}
+                row.update(
+                    leg=leg,
+                    shape=args.shape,
+                    conversation_id=cid,
+                    turn=turn + 1,
+                    label=label,
+                    target_tokens=target,
+                    transfer_ms=round(xfer["xfer_s"] * 1e3, 3),
+                    post_ms=round(xfer["post_s"] * 1e3, 3),
+                    transfer_bytes=int(xfer["bytes"]),
+                    descriptors=int(xfer["descriptors"]),
+                    transfers=int(xfer["xfers"]),
+                )
+                row["compute_ms"] = round(row["prefill_ms"] - row["transfer_ms"], 2)
+                rows.append(row)
+                print(
+                    json.dumps(
+                        {
+                            k: row[k]
+                            for k in (
+                                "leg",
+                                "label",
+                                "input_num_tokens",
+                                "ttft_ms",
+                                "prefill_ms",
+                                "transfer_ms",
+                                "reuse",
+                                "path",
+                            )
+                        }
+                    ),
+                    flush=True,
+                )
+    return rows
+
+
+def start_leg(args: argparse.Namespace, leg: str) -> Any:
+    from agentkv.server._cluster import Cluster, ClusterConfig
+
+    on = leg == "on"
+    extra_args = list(args.engine_arg or [])
+    cfg = ClusterConfig(
+        model=args.model,
+        device=args.device,
+        bidirectional=on,
+        prefill_prefix_caching=False,
+        router_port=None,
+        max_model_len=args.max_model_len,
+        lease_s=args.lease_s,
+        log_dir=Path(args.log_dir) / leg,
+        extra_args=extra_args,
+        env=dict(e.split("=", 1) for e in args.env or []),
+        prefill_port=args.port_base + 100,
+        decode_port=args.port_base + 200,
+    )
+    cluster = Cluster(config=cfg)
+    t = time.monotonic()
+    cluster.up()
+    print(f"[{leg}] engines ready in {time.monotonic() - t:.0f}s", flush=True)
+    return cluster
+
+
+def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
+    import subprocess
+
+    port = args.port_base + (1 if leg == "on" else 2)
+    policy = "always-pd" if shape == "published" else "auto"
+    argv = [
+        sys.executable,
+        "-m",
+        "agentkv.cli",
+        "router",
+        "--port",
+        str(port),
+        "--path-policy",
+        policy,
+        "--prefill",
+        cluster.prefills[0].spec.url,
+        "--decode",
+        cluster.decodes[0].spec.url,
+    ]
+    if leg == "off":
+        argv.append("--no-reuse")
+    log = open(Path(args.log_dir) / f"router-{leg}-{shape}.log", "wb")  # noqa: SIM115 - lives as long as the router
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    raise RuntimeError("router did not start")
+
+
+def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
+    from statistics import median
+
+    out = []
+    labels = sorted({(r["target_tokens"], r["label"]) for r in rows})
+    for target, label in labels:
+        if shape == "agentic" and label != "suffix":
+            continue
+        entry: dict[str, Any] = {"target_tokens": target, "label": label}
+        for leg in ("off", "on"):
+            rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
+            if not rs:
+                continue
+            for key in (
+                "ttft_ms",
+                "prefill_ms",
+                "transfer_ms",
+                "compute_ms",
+                "input_num_tokens",
+                "reused_tokens",
+            ):
+                vals = [r[key] for r in rs if isinstance(r[key], int | float)]
+                entry[f"{key}_{leg}"] = round(median(vals), 2) if vals else None
+            entry[f"paths_{leg}"] = sorted({str(r["path"]) for r in rs})
+        if entry.get("ttft_ms_off") and entry.get("ttft_ms_on"):
+            entry["ttft_ratio_on_off"] = round(entry["ttft_ms_on"] / entry["ttft_ms_off"], 3)
+        out.append(entry)
+    return out
+
+
+def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    from bench._common import bar_chart, line_chart, print_table
+
+    summary = doc["data"]["summary"]
+    tag = f"{doc['data']['device']} {doc['data']['shape']}"
+    xs = [s["input_num_tokens_on"] or s["target_tokens"] for s in summary]
+    paths = [
+        line_chart(
+            out_dir / f"ttft_vs_length_{doc['data']['shape']}.png",
+            title=f"TTFT vs prompt length ({tag})",
+            series={
+                "reuse OFF": (xs, [s.get("ttft_ms_off") or 0 for s in summary]),
+                "reuse ON": (xs, [s.get("ttft_ms_on") or 0 for s in summary]),
+            },
+            xlabel="prompt tokens",
+            ylabel="TTFT ms (median)",
+        )
+    ]
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(summary)), 4.0))
+    for i, s in enumerate(summary):
+        off = s.get("prefill_ms_off") or 0
+        comp, xfer = s.get("compute_ms_on") or 0, s.get("transfer_ms_on") or 0
+        ax.bar(i - 0.2, off, 0.4, color="tab:gray", label="OFF: prefill (recompute)" if i == 0 else None)
+        ax.bar(i + 0.2, comp, 0.4, color="tab:blue", label="ON: prefill compute" if i == 0 else None)
+        ax.bar(
+            i + 0.2, xfer, 0.4, bottom=comp, color="tab:orange", label="ON: KV transfer" if i == 0 else None
+        )
+    ax.set_xticks(range(len(summary)), [str(x) for x in xs])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("prefill ms (median)")
+    ax.set_title(f"Prefill time, OFF vs ON ({tag})")
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / f"prefill_split_{doc['data']['shape']}.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    cols = [
+        "tokens",
+        "TTFT off",
+        "TTFT on",
+        "on/off",
+        "prefill off",
+        "prefill on",
+        "xfer on",
+        "reused",
+        "paths on",
+    ]
+    rows = [
+        [
+            s.get("input_num_tokens_on"),
+            s.get("ttft_ms_off"),
+            s.get("ttft_ms_on"),
+            s.get("ttft_ratio_on_off"),
+            s.get("prefill_ms_off"),
+            s.get("prefill_ms_on"),
+            s.get("transfer_ms_on"),
+            s.get("reused_tokens_on"),
+            ",".join(s.get("paths_on") or []),
+        ]
+        for s in summary
+    ]
+    print_table(f"multi-turn sweep ({tag})", cols, rows)
+    del bar_chart
+    return paths
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default=None)
+    ap.add_argument("--model", default=".agentkv/models/tiny")
+    ap.add_argument("--shape", default="published", help="published, agentic or both: published,agentic")
+    ap.add_argument("--lengths", default="512,1024,2048,3072")
+    ap.add_argument("--suffix", type=int, default=256, help="agentic shape: new tokens in the suffix turn")
+    ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--output-tokens", type=int, default=16)
+    ap.add_argument("--max-model-len", type=int, default=8192)
+    ap.add_argument("--lease-s", type=float, default=60)
+    ap.add_argument("--legs", default="off,on")
+    ap.add_argument("--engine-arg", action="append", help="extra vLLM flag (repeat)")
+    ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument("--port-base", type=int, default=21000)
+    ap.add_argument("--log-dir", default=".agentkv/bench-logs")
+    ap.add_argument(
+        "--out", default=None, help="output dir (default bench/results/multiturn_sweep_<device>_<shape>)"
+    )
+    ap.add_argument("--plot", default=None, help="only re-plot this JSON")
+    args = ap.parse_args(argv)
+    if args.plot:
+        doc = json.loads(Path(args.plot).read_text())
+        plot(doc, Path(args.plot).parent)
+        return
+    if args.device is None:
+        from agentkv.server._launcher import detect_device
+
+        args.device = detect_device()
+    if args.device == "cpu":
+        from agentkv.cli import ensure_tiny_model
+
+        ensure_tiny_model(Path(args.model))
+    Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    shapes = args.shape.split(",")
+    rows: dict[str, list[dict[str, Any]]] = {shape: [] for shape in shapes}
+    for leg in args.legs.split(","):
+        cluster = start_leg(args, leg)
+        try:
+            for shape in shapes:
+                proc, router = start_router(args, cluster, leg, shape)
+                try:
+                    model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
+                    rows[shape] += run_leg(args, shape, leg, cluster.prefills[0].spec.url, router, model)
+                finally:
+                    from agentkv.server._launcher import kill_group
+
+                    kill_group(proc.pid)
+        finally:
+            cluster.down()
+    for shape in shapes:
+        data = {
+            "device": args.device,
+            "shape": shape,
+            "requests": rows[shape],
+            "summary": summarize(rows[shape], shape),
+        }
+        out_dir = Path(args.out or f"bench/results/multiturn_sweep_{args.device}")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            from bench._common import write_results
+
+            path = write_results(f"multiturn_sweep_{shape}", data, out_dir=out_dir)
+            plot(json.loads(path.read_text()), out_dir)
+        except ImportError:  # no matplotlib/rich (the GPU host): JSON only, plot later with --plot
+            path = out_dir / f"multiturn_sweep_{shape}.json"
+            doc = {"benchmark": "multiturn_sweep", "command": " ".join(sys.argv), "data": data}
+            path.write_text(json.dumps(doc, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

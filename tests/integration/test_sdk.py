@@ -1,0 +1,106 @@
+"""Issue 4: the SDK against the real router and engines: heartbeats hold the decode lease across slow tools,
+closing a session frees decode blocks, and the LangChain / LlamaIndex adapters carry the conversation."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from agentkv import Session
+from agentkv.server._cluster import Cluster
+
+from ._helpers import MODEL, RouterProc, conversation_script, metric, service_info
+from .conftest import LEASE_S
+
+TOOL_SLEEP_S = LEASE_S + 3  # every tool outlives the decode lease
+
+
+def lookup(a: int, b: int) -> str:
+    """Look up a row in the slow database.
+
+    Args:
+        a: first key
+        b: second key
+    """
+    time.sleep(TOOL_SLEEP_S)
+    return f"row {a}/{b}: 42"
+
+
+def _agent(router: RouterProc, *, heartbeat: bool, steps: int) -> list[str]:
+    with Session(base_url=f"{router.url}/v1", model=MODEL, heartbeat=heartbeat) as s:
+        s.run(
+            conversation_script(400 + steps, 1)[0],
+            tools=[lookup],
+            max_steps=steps + 1,
+            force_tool_steps=steps,
+            tool_choice="none",
+            max_tokens=24,
+            temperature=0,
+        )
+        assert len(s.turns) == steps + 1
+        return [t.reuse for t in s.turns]
+
+
+def test_heartbeats_keep_decode_kv_alive_through_slow_tools(router: RouterProc) -> None:
+    reuse = _agent(router, heartbeat=True, steps=4)
+    assert reuse[0] == "miss"
+    assert reuse[1:] == ["hit"] * 4, reuse
+
+
+def test_without_heartbeats_slow_tools_lose_the_kv(router: RouterProc) -> None:
+    reuse = _agent(router, heartbeat=False, steps=2)
+    assert reuse[0] == "miss"
+    assert "hit" not in reuse[1:], reuse
+
+
+def test_closing_the_session_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
+    ds = cluster.decodes[0].spec.service_url
+    assert ds
+    s = Session(base_url=f"{router.url}/v1", model=MODEL)
+    s.chat(conversation_script(410, 1)[0], max_tokens=8, temperature=0)
+    retained = service_info(ds)["retained"]
+    assert retained >= 1
+    assert httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).status_code == 200
+    s.close()
+    deadline = time.monotonic() + 10
+    while service_info(ds)["retained"] >= retained and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert service_info(ds)["retained"] == retained - 1
+    assert httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).status_code == 404
+
+
+def test_langchain_adapter_carries_the_conversation(router: RouterProc) -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from agentkv.integrations.langchain import AgentKVChatOpenAI
+
+    hits0 = metric(router.url, "agentkv_reuse_total", result="hit")
+    with Session(base_url=f"{router.url}/v1", model=MODEL) as s:
+        llm = AgentKVChatOpenAI.from_session(s, max_tokens=8, temperature=0)
+        script = conversation_script(420, 2)
+        history = [HumanMessage(script[0])]
+        first = llm.invoke(history)
+        history += [AIMessage(str(first.content)), HumanMessage(script[1])]
+        chunks = list(llm.stream(history))
+        assert chunks
+        state = httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).json()
+        assert state["retained_tokens"] > 0
+    assert metric(router.url, "agentkv_reuse_total", result="hit") == hits0 + 1
+
+
+def test_llamaindex_adapter_carries_the_conversation(router: RouterProc) -> None:
+    from llama_index.core.llms import ChatMessage
+
+    from agentkv.integrations.llamaindex import AgentKVLLM
+
+    hits0 = metric(router.url, "agentkv_reuse_total", result="hit")
+    with Session(base_url=f"{router.url}/v1", model=MODEL) as s:
+        llm = AgentKVLLM.from_session(s, max_tokens=8, temperature=0)
+        script = conversation_script(430, 2)
+        history = [ChatMessage(role="user", content=script[0])]
+        first = llm.chat(history)
+        history += [first.message, ChatMessage(role="user", content=script[1])]
+        assert llm.chat(history).message.content is not None
+        assert httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).status_code == 200
+    assert metric(router.url, "agentkv_reuse_total", result="hit") == hits0 + 1
