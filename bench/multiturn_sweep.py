@@ -359,7 +359,24 @@ def main(argv: list[str] | None = None) -> None:
         "--out", default=None, help="output dir (default bench/results/multiturn_sweep_<device>_<shape>)"
     )
     ap.add_argument("--plot", default=None, help="only re-plot this JSON")
+    ap.add_argument("--merge", nargs="+", default=None, help="combine per-leg JSONs (same shape) into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        docs = [json.loads(Path(p).read_text()) for p in args.merge]
+        shape, device = docs[0]["data"]["shape"], docs[0]["data"]["device"]
+        rows = [r for d in docs for r in d["data"]["requests"]]
+        data = {
+            "device": device,
+            "shape": shape,
+            "requests": rows,
+            "summary": summarize(rows, shape),
+            "merged_from": [d.get("command") for d in docs],
+        }
+        from bench._common import write_results
+
+        path = write_results(f"multiturn_sweep_{shape}", data, out_dir=args.out)
+        plot(json.loads(path.read_text()), path.parent)
+        return
     if args.plot:
         doc = json.loads(Path(args.plot).read_text())
         plot(doc, Path(args.plot).parent)

@@ -101,6 +101,8 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
         if spec.device == "gpu":
             # A GPU step is ~ms; keep the idle back-off short so a new turn never waits for it.
             extra.setdefault("agentkv_idle_sleep_max_ms", 2.0)
+            # GPU hosts have cores to spare: keep NIXL's busy progress thread (lowest transfer latency).
+            extra.setdefault("agentkv_progress_delay_us", 0)
     if spec.device == "gpu":
         # One NIXL descriptor per block instead of one per layer and block (~150 instead of ~20k for a 24k
         # pull on Qwen3-8B): the pull's cost was posting descriptors, not moving bytes (shared/gpu/README).

@@ -1,0 +1,319 @@
+"""Issues 3 and 7 on the real engine: a 2P2D cluster, two router replicas sharing a real Redis, and faults.
+
+Order matters (module-scoped cluster): stickiness first, then replica/Redis faults, a frozen decode, a decode
+killed between turns and restarted, prefill down, and a decode killed mid-stream last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._launcher import Engine
+
+from ._helpers import RouterProc, chat, conversation_script, new_id, start_router
+from .conftest import LOG_DIR
+
+SHORT = {"AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20", "AGENTKV_TIMEOUTS__PREFILL_S": "60"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is required (scripts/setup.sh installs it)")
+    port = _free_port()
+    proc = _start_redis(binary, port)
+    yield proc, port
+    proc.terminate()
+
+
+def _start_redis(binary: str, port: int) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+@pytest.fixture(scope="module")
+def cluster22(model_dir: Path) -> Iterator[Cluster]:
+    cfg = ClusterConfig(
+        model=str(model_dir),
+        n_prefill=2,
+        n_decode=2,
+        prefill_port=38100,
+        decode_port=38200,
+        side_channel_port=7600,
+        router_port=None,
+        prefill_prefix_caching=False,
+        lease_s=60,
+        max_model_len=4096,
+        log_dir=LOG_DIR / "2p2d",
+    )
+    c = Cluster(config=cfg)
+    c.up()
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def _routers(cluster: Cluster, redis_port: int, port: int, name: str, *args: str) -> RouterProc:
+    os.environ.update(SHORT)
+    try:
+        return start_router(
+            port=port,
+            prefill=[e.spec.url for e in cluster.prefills],
+            decode=[e.spec.url for e in cluster.decodes],
+            log=LOG_DIR / f"router-2p2d-{name}.log",
+            args=["--path-policy", "always-pd", "--store-url", f"redis://127.0.0.1:{redis_port}/0", *args],
+        )
+    finally:
+        for k in SHORT:
+            os.environ.pop(k, None)
+
+
+@pytest.fixture(scope="module")
+def replicas(cluster22: Cluster, redis_server: tuple[Any, int]) -> Iterator[list[RouterProc]]:
+    rs = [_routers(cluster22, redis_server[1], 38000 + i, f"r{i}") for i in range(2)]
+    yield rs
+    for r in rs:
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def off22(cluster22: Cluster) -> Iterator[RouterProc]:
+    r = start_router(
+        port=38010,
+        prefill=[e.spec.url for e in cluster22.prefills],
+        decode=[e.spec.url for e in cluster22.decodes],
+        log=LOG_DIR / "router-2p2d-off.log",
+        args=["--no-reuse"],
+    )
+    yield r
+    r.stop()
+
+
+def _decode_of(router: RouterProc, cid: str) -> str:
+    return str(httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()["decode"])
+
+
+def _engine(cluster: Cluster, backend_name: str) -> Engine:
+    """Router names decodes d0, d1 in the order given; our cluster names them decode0, decode1."""
+    role = "decode" if backend_name.startswith("d") else "prefill"
+    return next(e for e in cluster.engines if e.name == f"{role}{backend_name[1:]}")
+
+
+def test_conversations_stay_on_their_decode(replicas: list[RouterProc]) -> None:
+    r = replicas[0]
+    eligible = hits = 0
+    decodes = set()
+    for i in range(20):
+        cid = new_id(f"sticky{i}")
+        h: list[dict[str, object]] = []
+        for j, msg in enumerate(conversation_script(500 + i, 3)):
+            h.append({"role": "user", "content": msg[:400]})
+            turn = chat(r.url, h, conversation_id=cid, max_tokens=4)
+            h.append({"role": "assistant", "content": turn.text})
+            if j > 0:
+                eligible += 1
+                hits += turn.headers.get("x-agentkv-reuse") == "hit"
+        decodes.add(_decode_of(r, cid))
+    assert hits >= 0.95 * eligible, (hits, eligible)
+    assert decodes == {"d0", "d1"}  # least-loaded choice spreads new conversations
+
+
+def test_replica_continues_a_conversation_and_survives_the_other_dying(
+    replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    a, b = replicas
+    cid = new_id("replica")
+    script = conversation_script(530, 3)
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    off: list[list[int]] = []
+    on: list[list[int]] = []
+    reuse = []
+    for i, router in enumerate([a, b, b]):
+        if i == 2:
+            a.stop()  # replica A dies; B carries on from the shared store
+        t = chat(router.url, h, conversation_id=cid)
+        on.append(t.ids)
+        off.append(chat(off22.url, h).ids)
+        reuse.append(t.headers.get("x-agentkv-reuse"))
+        h += [{"role": "assistant", "content": t.text}, {"role": "user", "content": script[min(i + 1, 2)]}]
+    assert reuse == ["miss", "hit", "hit"]
+    assert on == off
+
+
+def test_redis_restart_costs_reuse_once_then_resumes(
+    replicas: list[RouterProc], redis_server: tuple[subprocess.Popen[bytes], int], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    proc, port = redis_server
+    cid = new_id("redis")
+    script = conversation_script(540, 3)
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid).text})
+    proc.terminate()
+    proc.wait(5)
+    binary = shutil.which("redis-server")
+    assert binary
+    new = _start_redis(binary, port)
+    try:
+        h.append({"role": "user", "content": script[1]})
+        t = chat(b.url, h, conversation_id=cid)  # no error: the state is gone, so this turn recomputes
+        assert t.ids == chat(off22.url, h).ids
+        assert t.headers.get("x-agentkv-reuse") in ("miss", "hit")
+        h += [{"role": "assistant", "content": t.text}, {"role": "user", "content": script[2]}]
+        t3 = chat(b.url, h, conversation_id=cid)
+        assert t3.headers.get("x-agentkv-reuse") == "hit"
+        assert t3.ids == chat(off22.url, h).ids
+    finally:
+        redis_server[0].__dict__.update(new.__dict__)  # the fixture stops the live one
+
+
+def test_frozen_decode_times_out_cleanly_and_recovers(
+    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    cid = new_id("frozen")
+    h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(550, 1)[0]}]
+    h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid).text})
+    engine = _engine(cluster22, _decode_of(b, cid))
+    assert engine.pid
+    os.killpg(engine.pid, signal.SIGSTOP)
+    try:
+        h.append({"role": "user", "content": "tool result: 3 rows"})
+        t0 = time.monotonic()
+        r = httpx.post(
+            f"{b.url}/v1/chat/completions",
+            headers={"x-session-id": cid},
+            timeout=120,
+            json={"model": "tiny", "messages": h, "max_tokens": 4, "temperature": 0},
+        )
+        elapsed = time.monotonic() - t0
+        assert elapsed < 90, "request hung"
+        if r.status_code != 200:  # a clean OpenAI-style timeout error, never a hang or a 500
+            assert r.status_code in (502, 503, 504) and "error" in r.json()
+    finally:
+        os.killpg(engine.pid, signal.SIGCONT)
+    t = chat(b.url, h, conversation_id=cid)
+    assert t.ids == chat(off22.url, h).ids
+
+
+def test_decode_killed_between_turns_then_restarted(
+    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    # Two conversations on the same decode.
+    convs: dict[str, list[dict[str, object]]] = {}
+    target = None
+    for i in range(12):
+        cid = new_id(f"kill{i}")
+        h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(560 + i, 1)[0]}]
+        h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid, max_tokens=6).text})
+        d = _decode_of(b, cid)
+        target = target or d
+        if d == target:
+            convs[cid] = h
+        if len(convs) == 2:
+            break
+    assert len(convs) == 2 and target
+    engine = _engine(cluster22, target)
+    engine.stop()
+    (c1, h1), (c2, h2) = convs.items()
+    h2.append({"role": "user", "content": "tool result: the decode died"})
+    t = chat(b.url, h2, conversation_id=c2)  # fails over to the other decode: reuse lost once
+    assert t.headers.get("x-agentkv-reuse") != "hit"
+    assert t.ids == chat(off22.url, h2).ids
+    assert _decode_of(b, c2) != target
+    engine.start()
+    engine.wait_healthy(timeout_s=600)
+    time.sleep(8)  # a health round brings it back and re-reads its (new) engine registration
+    h1.append({"role": "user", "content": "tool result: after the restart"})
+    t1 = chat(b.url, h1, conversation_id=c1)  # stale params of the old engine must not be used
+    assert t1.headers.get("x-agentkv-reuse") != "hit"
+    assert t1.ids == chat(off22.url, h1).ids
+
+
+def test_prefill_down_other_prefill_serves(
+    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    cluster22.prefills[0].stop()
+    for i in range(3):  # whichever prefill the router would pick, every turn is served
+        h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(580 + i, 1)[0]}]
+        assert chat(b.url, h, conversation_id=new_id("pdown")).ids == chat(off22.url, h).ids
+
+
+def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
+    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    cid = new_id("midstream")
+    h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(590, 1)[0]}]
+    body = {
+        "model": "tiny",
+        "messages": h,
+        "max_tokens": 3000,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    events: list[str] = []
+    killed = False
+    t0 = time.monotonic()
+    with httpx.stream(
+        "POST", f"{b.url}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+            if len(events) == 5 and not killed:
+                killed = True
+                _engine(cluster22, _decode_of_stream(b, cid)).stop(timeout_s=1)
+    assert time.monotonic() - t0 < 60
+    assert events[-1] == "[DONE]"
+    assert "error" in json.loads(events[-2])
+    # The conversation goes on (on the surviving decode) with a correct answer.
+    h += [{"role": "user", "content": "again"}]
+    assert chat(b.url, h, conversation_id=cid).ids == chat(off22.url, h).ids
+
+
+def _decode_of_stream(router: RouterProc, cid: str) -> str:
+    """During a first turn the router has no record yet: find the decode engine that is generating."""
+    del router, cid
+    for name in ("d0", "d1"):
+        url = f"http://127.0.0.1:{38200 + int(name[1])}"
+        m = httpx.get(f"{url}/metrics", timeout=5).text
+        for line in m.splitlines():
+            if line.startswith("vllm:num_requests_running") and not line.rstrip().endswith(" 0.0"):
+                return name
+    raise AssertionError("no decode is running the stream")
