@@ -400,6 +400,12 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
                     rows[shape] += run_leg(args, shape, leg, cluster.prefills[0].spec.url, router, model)
+                    # Partial results survive a killed run (the GPU host gives each command 10 minutes).
+                    partial = Path(args.out or ".") / f"partial_{shape}.json"
+                    partial.parent.mkdir(parents=True, exist_ok=True)
+                    partial.write_text(
+                        json.dumps({"data": {"device": args.device, "shape": shape, "requests": rows[shape]}})
+                    )
                 finally:
                     from agentkv.server._launcher import kill_group
 

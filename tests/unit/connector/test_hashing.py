@@ -1,0 +1,44 @@
+from agentkv.server._connector._hashing import (
+    block_fingerprints,
+    matching_prefix_blocks,
+    tail_fingerprint,
+    verified_tokens,
+)
+
+BS = 4
+
+
+def test_fingerprints_cover_full_blocks_only_and_chain() -> None:
+    ids = list(range(10))
+    fp = block_fingerprints(ids, BS)
+    assert len(fp) == 2
+    # Chained: the same block content after a different prefix fingerprints differently.
+    other = [99, *ids[1:]]
+    assert block_fingerprints(other, BS)[1] != fp[1]
+    assert block_fingerprints(ids, BS, limit_tokens=7) == fp[:1]
+
+
+def test_matching_prefix_stops_at_first_difference() -> None:
+    assert matching_prefix_blocks(["a", "b", "c"], ["a", "b", "x"]) == 2
+    assert matching_prefix_blocks(["a"], ["x", "a"]) == 0
+    assert matching_prefix_blocks([], ["a"]) == 0
+
+
+def test_verified_tokens_full_blocks_and_tail() -> None:
+    decode_seq = list(range(11))  # 2 full blocks + a tail of 3
+    theirs = block_fingerprints(decode_seq, BS, limit_tokens=11)
+    tail = tail_fingerprint(decode_seq, BS, 11)
+    assert tail is not None and tail[0] == 11
+    prompt = [*decode_seq, 50, 51, 52]  # the new turn extends decode's sequence exactly
+    assert verified_tokens(prompt, BS, 11, theirs, tail) == 11
+    edited = decode_seq.copy()
+    edited[9] = -1  # a change inside the tail: only the full blocks are provably equal
+    assert verified_tokens([*edited, 50], BS, 11, theirs, tail) == 8
+    early = decode_seq.copy()
+    early[1] = -1  # a change in the first block: nothing may be reused
+    assert verified_tokens([*early, 50], BS, 11, theirs, tail) == 0
+
+
+def test_tail_absent_on_block_boundary_or_short_sequence() -> None:
+    assert tail_fingerprint(list(range(8)), BS, 8) is None
+    assert tail_fingerprint(list(range(5)), BS, 9) is None

@@ -1,0 +1,75 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from agentkv._exceptions import ConfigError, ModelNotFoundError, PortInUseError
+from agentkv.server._cluster import ClusterConfig
+from agentkv.server._launcher import Engine, EngineSpec, build_command
+
+
+def _kv(argv: list[str]) -> dict:  # type: ignore[type-arg]
+    return json.loads(argv[argv.index("--kv-transfer-config") + 1])
+
+
+def test_decode_on_cpu_gets_connector_lease_service_and_loopback_networking() -> None:
+    spec = EngineSpec(role="decode", model="/m", port=8200, service_port=9200, cpu_core=1, lease_s=12)
+    argv, env = build_command(spec)
+    kv = _kv(argv)
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_connector_module_path"] == "agentkv.server.connector"
+    assert kv["kv_buffer_device"] == "cpu"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["bidirectional_kv_xfer"] is True and extra["agentkv_service_port"] == 9200
+    assert extra["agentkv_lease_s"] == 12
+    assert env["UCX_NET_DEVICES"] == "lo" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert "--enable-prefix-caching" in argv
+
+
+def test_stock_prefill_without_our_connector_and_without_prefix_cache() -> None:
+    spec = EngineSpec(
+        role="prefill", model="/m", port=8100, use_agentkv_connector=False, prefix_caching=False
+    )
+    argv, _ = build_command(spec)
+    kv = _kv(argv)
+    assert kv["kv_role"] == "kv_producer" and "kv_connector_module_path" not in kv
+    assert not any(k.startswith("agentkv_") for k in kv["kv_connector_extra_config"])
+    assert "--no-enable-prefix-caching" in argv
+
+
+def test_gpu_defaults_are_the_measured_best_settings() -> None:
+    argv, env = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu"))
+    kv = _kv(argv)
+    assert argv[argv.index("--block-size") + 1] == "64"
+    assert kv["kv_connector_extra_config"]["enable_cross_layers_blocks"] == "True"
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+    assert "kv_buffer_device" not in kv
+
+
+def test_engine_check_reports_missing_model_and_busy_port(tmp_path: Path) -> None:
+    import socket
+
+    with pytest.raises(ModelNotFoundError, match="agentkv model tiny"):
+        Engine(spec=EngineSpec(role="decode", model=str(tmp_path / "nope"), port=1), name="d").check()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(PortInUseError, match=str(port)):
+            Engine(spec=EngineSpec(role="decode", model=str(tmp_path), port=port), name="d").check()
+
+
+def test_cluster_config_file_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "c.toml"
+    bad.write_text('model = "/m"\nn_decoders = 2\n')
+    with pytest.raises(ConfigError, match=r"unknown keys.*n_decoders"):
+        ClusterConfig.from_file(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        ClusterConfig.from_file(tmp_path / "missing.toml")
+    good = tmp_path / "ok.toml"
+    good.write_text('[cluster]\nmodel = "/m"\nn_decode = 2\n')
+    cfg = ClusterConfig.from_file(good, n_prefill=None)
+    names = [n for n, _ in cfg.specs()]
+    assert names == ["prefill0", "decode0", "decode1"]
+    with pytest.raises(ConfigError):
+        ClusterConfig(model="/m", n_decode=0)
