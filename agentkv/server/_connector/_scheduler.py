@@ -205,16 +205,19 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         if self.leases is not None:
             self._reqs_need_send.update(self.leases.drain())
-        now = time.perf_counter()
-        if self._last_step is not None:
-            self.cost.observe_step(tokens=self._last_step[1], seconds=now - self._last_step[0])
-        self._last_step = (now, scheduler_output.total_num_scheduled_tokens)
+        # Timed from here (scheduling) to update_connector_output (the step's results): the step's own
+        # execution time, never an idle gap between requests.
+        self._last_step = (time.perf_counter(), scheduler_output.total_num_scheduled_tokens)
         meta = super().build_connector_meta(scheduler_output)
         self._maybe_idle(scheduler_output)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        if self._last_step is not None:
+            started, tokens = self._last_step
+            self.cost.observe_step(tokens=tokens, seconds=time.perf_counter() - started)
+            self._last_step = None
         for rid in connector_output.finished_recving or ():
             self._awaiting.discard(rid)
         for rid in getattr(connector_output, "failed_recving", None) or ():  # vLLM >= 0.30
