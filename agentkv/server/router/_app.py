@@ -37,6 +37,7 @@ from ._params import strip_client_fields
 from ._proxy import Turn, TurnRunner
 from ._settings import RouterSettings
 from ._store import ConversationStore, MemoryStore
+from ._transport import PooledTransport
 from ._turn import TurnBook
 
 __all__ = ["create_app", "run_router"]
@@ -77,9 +78,10 @@ class _Router:
         prefill, decode = settings.backends()
         self.prefill = BackendPool(backends=prefill)
         self.decode = BackendPool(backends=decode)
+        # One transport (one pool per engine origin) for the hops and the client the control calls use.
+        self.transport = transport if transport is not None else PooledTransport()
         self.client = httpx.AsyncClient(
-            transport=transport,
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            transport=self.transport,
             timeout=httpx.Timeout(settings.timeouts.prefill_s, connect=settings.timeouts.connect_s),
         )
         self.metrics = RouterMetrics()
@@ -93,7 +95,7 @@ class _Router:
             prefill=self.prefill,
             decode=self.decode,
             leases=self.leases,
-            hops=Hops(client=self.client, metrics=self.metrics, connect_s=settings.timeouts.connect_s),
+            hops=Hops(transport=self.transport, metrics=self.metrics, connect_s=settings.timeouts.connect_s),
         )
         if isinstance(store, MemoryStore) and store.on_evict is None:
             store.on_evict = self.book.release_soon
@@ -272,10 +274,18 @@ def run_router(settings: RouterSettings) -> None:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # httpx logs every upstream request at INFO: three lines per turn that cost more than the turn's own
+    # log line. Our per-turn line says what happened; their DEBUG detail is still there at debug level.
+    quiet = logging.DEBUG if settings.log_level == "debug" else logging.WARNING
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(quiet)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
+        # uvloop and httptools when installed (the `bench` extra brings them), else asyncio and h11.
+        loop="auto",
+        http="auto",
     )

@@ -27,13 +27,27 @@ def is_connect_failure(exc: BaseException) -> bool:
 
 
 class Hops:
-    def __init__(self, *, client: httpx.AsyncClient, metrics: RouterMetrics, connect_s: float) -> None:
-        self._client = client
+    """Requests go straight to the transport: the client's auth, redirect, cookie and URL-merging layers
+    cost more per hop than the rest of the hop, and engines use none of them."""
+
+    def __init__(
+        self, *, transport: httpx.AsyncBaseTransport, metrics: RouterMetrics, connect_s: float
+    ) -> None:
+        self._transport = transport
         self._metrics = metrics
         self._connect_s = connect_s
 
-    def _timeout(self, read_s: float | None) -> httpx.Timeout:
-        return httpx.Timeout(read_s, connect=self._connect_s, pool=self._connect_s)
+    def _request(
+        self, state: BackendState, path: str, body: dict[str, Any], request_id: str, read_s: float | None
+    ) -> httpx.Request:
+        c = self._connect_s
+        return httpx.Request(
+            "POST",
+            f"{state.backend.url}{path}",
+            content=json.dumps(body).encode(),
+            headers={"content-type": "application/json", "x-request-id": request_id},
+            extensions={"timeout": {"connect": c, "read": read_s, "write": c, "pool": c}},
+        )
 
     async def post_json(
         self, state: BackendState, path: str, body: dict[str, Any], request_id: str, *, total_s: float
@@ -44,12 +58,13 @@ class Hops:
         state.outstanding += 1
         try:
             async with asyncio.timeout(total_s):
-                resp = await self._client.post(
-                    f"{state.backend.url}{path}",
-                    content=json.dumps(body).encode(),
-                    headers={"content-type": "application/json", "x-request-id": request_id},
-                    timeout=self._timeout(total_s),
+                resp = await self._transport.handle_async_request(
+                    self._request(state, path, body, request_id, total_s)
                 )
+                try:
+                    await resp.aread()
+                finally:
+                    await resp.aclose()
         except _CONNECT_FAILURES:
             self._metrics.backend_errors.labels(role=role, kind="connect").inc()
             raise
@@ -76,16 +91,10 @@ class Hops:
     ) -> httpx.Response:
         """Send and wait for response headers; the caller reads (and must close) the body."""
         role = state.backend.role
-        request = self._client.build_request(
-            "POST",
-            f"{state.backend.url}{path}",
-            content=json.dumps(body).encode(),
-            headers={"content-type": "application/json", "x-request-id": request_id},
-            timeout=self._timeout(None),
-        )
+        request = self._request(state, path, body, request_id, None)
         try:
             async with asyncio.timeout(first_byte_s):
-                resp = await self._client.send(request, stream=True)
+                resp = await self._transport.handle_async_request(request)
         except _CONNECT_FAILURES:
             self._metrics.backend_errors.labels(role=role, kind="connect").inc()
             raise

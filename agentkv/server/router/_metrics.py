@@ -2,11 +2,31 @@
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["RouterMetrics"]
+__all__ = ["Children", "RouterMetrics"]
+
+_M = TypeVar("_M", Counter, Gauge)
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class Children(Generic[_M]):
+    """The children of a one-label metric by value. `.labels()` validates and locks on every call; the
+    hot path counts each turn a few times, so each child is resolved once."""
+
+    def __init__(self, metric: _M, label: str) -> None:
+        self._metric: _M = metric
+        self._label = label
+        self._children: dict[str, _M] = {}
+
+    def __getitem__(self, value: str) -> _M:
+        child = self._children.get(value)
+        if child is None:
+            child = self._children[value] = self._metric.labels(**{self._label: value})
+        return child
 
 
 class RouterMetrics:
@@ -38,11 +58,15 @@ class RouterMetrics:
         )
         self.conversations = Gauge("agentkv_conversations", "Conversations tracked", registry=r)
         self.healthy_backends = Gauge("agentkv_healthy_backends", "Healthy backends", ["role"], registry=r)
+        self.turns_by_path = Children(self.turns, "path")
+        self.reuse_by_result = Children(self.reuse, "result")
+        self.path_decisions_by_path = Children(self.path_decisions, "path")
+        # Exported at zero from the start, so dashboards see every series before it first moves.
         for result in ("hit", "miss", "expired", "declined", "mismatch", "none", "local"):
-            self.reuse.labels(result=result)
+            self.reuse_by_result[result]
         for path in ("pull", "recompute", "decode-local"):
-            self.turns.labels(path=path)
-            self.path_decisions.labels(path=path)
+            self.turns_by_path[path]
+            self.path_decisions_by_path[path]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -55,7 +55,7 @@ def _encode(msg: dict[str, Any]) -> bytes:
 
 def prompt_chars(body: dict[str, Any]) -> int:
     """Size of a request's prompt in canonical characters; with token counts it yields chars per token."""
-    if "messages" in body:
+    if isinstance(body.get("messages"), list):
         return sum(len(_encode(m)) for m in body["messages"] if isinstance(m, dict))
     prompt = body.get("prompt")
     return len(prompt) if isinstance(prompt, str) else 0
@@ -72,7 +72,7 @@ class Prefix:
     @classmethod
     def of_turn(cls, body: dict[str, Any], generated: dict[str, Any]) -> Prefix | None:
         """The prefix the next turn must start with. `generated` is decode's assistant message."""
-        if "messages" in body:
+        if isinstance(body.get("messages"), list):
             messages = [m for m in body["messages"] if isinstance(m, dict)] + [generated]
             return cls._of_messages(messages)
         prompt = body.get("prompt")
@@ -96,7 +96,7 @@ class Prefix:
 
     def matches(self, body: dict[str, Any]) -> bool:
         """Whether the new request starts with exactly this prefix (and adds something after it)."""
-        if "messages" in body:
+        if isinstance(body.get("messages"), list):
             messages = body["messages"]
             if self.items < 0 or len(messages) <= self.items:
                 return False

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from agentkv._constants import (
     H_CONVERSATION_ID,
@@ -24,12 +22,13 @@ from agentkv._constants import (
 from agentkv._exceptions import APIStatusError
 
 from ._backend import BackendState
-from ._errors import client_error, error_body
+from ._errors import client_error
 from ._hops import close_quietly, with_failover
 from ._params import KV_KEY, decode_body, decode_local_body, prefill_body, reusable_tokens, strip_kv_json
 from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
 from ._prefix import prompt_chars
-from ._sse import DONE, EventSplitter, TurnOutput, error_event
+from ._relay import AfterwardsResponse, Relay, RelayResponse
+from ._sse import TurnOutput
 from ._store import ConversationRecord
 from ._turn import TurnBook
 
@@ -97,11 +96,17 @@ class TurnRunner:
             except BaseException:
                 await self._book.failed(turn, record)
                 raise
+            response: Response
             if turn.stream:
-                relay = self._relay(turn, record, decode, resp, stack)
-                stack = contextlib.AsyncExitStack()  # the lock now lives as long as the stream
-                return _RelayResponse(relay, headers=turn.headers())
-            return await self._finish_json(turn, record, decode, resp)
+                relay = Relay(
+                    book=self._book, turn=turn, record=record, decode=decode, resp=resp, stack=stack
+                )
+                response = RelayResponse(relay, headers=turn.headers())
+            else:
+                response = await self._finish_json(turn, record, decode, resp, stack)
+            # The response owns the lock now; it lets go once the bookkeeping after the last byte is done.
+            stack = contextlib.AsyncExitStack()
+            return response
         finally:
             await stack.aclose()
 
@@ -225,7 +230,12 @@ class TurnRunner:
         return resp, decode
 
     async def _finish_json(
-        self, turn: Turn, record: ConversationRecord | None, decode: BackendState, resp: httpx.Response
+        self,
+        turn: Turn,
+        record: ConversationRecord | None,
+        decode: BackendState,
+        resp: httpx.Response,
+        stack: contextlib.AsyncExitStack,
     ) -> Response:
         output = TurnOutput()
         try:
@@ -245,103 +255,16 @@ class TurnRunner:
                 raise client_error(502, "decode engine returned a malformed response") from None
         output.add_response(obj)
         output.kv_params = params
-        after = await self._book.finish(turn, record, decode, output)
+        # What decode retained is needed for the lease header; storing it waits until the client has the
+        # answer (the lock, moved into `stack`, keeps the next turn of this conversation out until then).
+        new = await self._book.assess(turn, record, decode, output)
         headers = turn.headers()
-        if after is not None and after.lease_state != "none" and after.expires_at is not None:
-            headers[H_LEASE_EXPIRES_IN] = f"{max(after.expires_at - time.time(), 0.0):.1f}"
-        return Response(content, media_type="application/json", headers=headers)
+        if self._book.keeps(turn) and new.lease_state != "none" and new.expires_at is not None:
+            headers[H_LEASE_EXPIRES_IN] = f"{max(new.expires_at - time.time(), 0.0):.1f}"
+        book = self._book
 
-    def _relay(
-        self,
-        turn: Turn,
-        record: ConversationRecord | None,
-        decode: BackendState,
-        resp: httpx.Response,
-        stack: contextlib.AsyncExitStack,
-    ) -> _Relay:
-        return _Relay(book=self._book, turn=turn, record=record, decode=decode, resp=resp, stack=stack)
+        async def after() -> None:
+            async with stack:
+                await book.remember(turn, record, new)
 
-
-class _Relay:
-    """Decode's stream on its way to the client. `close` runs exactly once, also when the client left
-    before the body started (then the generator never runs, and its `finally` with it)."""
-
-    def __init__(
-        self,
-        *,
-        book: TurnBook,
-        turn: Turn,
-        record: ConversationRecord | None,
-        decode: BackendState,
-        resp: httpx.Response,
-        stack: contextlib.AsyncExitStack,
-    ) -> None:
-        self._book, self._turn, self._record, self._decode = book, turn, record, decode
-        self._resp, self._stack = resp, stack
-        self._output = TurnOutput()
-        self._ok = False
-        self._closed = False
-        self._splitter: EventSplitter | None = None
-
-    async def events(self) -> AsyncIterator[bytes]:
-        """Forward decode's events as they complete; never buffer the stream. A break after the first
-        byte ends with one error event and [DONE], so clients never hang."""
-        turn, timeouts = self._turn, self._book.settings.timeouts
-        splitter = self._splitter = EventSplitter(output=self._output)
-        failure: str | None = None
-        try:
-            try:
-                async for data in self._book.hops.iter_stream(
-                    self._resp, first_s=timeouts.decode_first_byte_s, idle_s=timeouts.decode_idle_s
-                ):
-                    if turn.ttft_ms is None:
-                        turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
-                    for event in splitter.feed(data):
-                        yield event
-                for event in splitter.flush():
-                    yield event
-                self._ok = splitter.done
-                failure = None if self._ok else "decode stream ended early"
-            except TimeoutError:
-                failure = "decode engine stopped sending (idle timeout)"
-                self._book.metrics.backend_errors.labels(role="decode", kind="timeout").inc()
-            except httpx.HTTPError:
-                failure = "decode engine connection lost"
-                self._book.metrics.backend_errors.labels(role="decode", kind="stream").inc()
-            if failure is not None:
-                yield error_event(error_body(502, failure, code="stream_interrupted"))
-                yield DONE
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        # Shielded: a client hang-up cancels us, but the lock and the bookkeeping must still finish.
-        await asyncio.shield(self._cleanup())
-
-    async def _cleanup(self) -> None:
-        self._decode.outstanding -= 1
-        await close_quietly(self._resp)
-        try:
-            # Decode's [DONE] counts even if the client hung up right after receiving it (the SDK closes
-            # the response at [DONE], which can cancel this generator before the loop above ends).
-            if self._ok or (self._splitter is not None and self._splitter.done):
-                await self._book.finish(self._turn, self._record, self._decode, self._output)
-            else:
-                await self._book.failed(self._turn, self._record)
-        finally:
-            await self._stack.aclose()
-
-
-class _RelayResponse(StreamingResponse):
-    def __init__(self, relay: _Relay, *, headers: dict[str, str]) -> None:
-        super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
-        self._relay = relay
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self._relay.close()
+        return AfterwardsResponse(content, headers=headers, after=after)

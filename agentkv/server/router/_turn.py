@@ -50,7 +50,7 @@ class TurnBook:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def decided(self, turn: Turn, decision: PathDecision) -> None:
-        self.metrics.path_decisions.labels(path=decision.path).inc()
+        self.metrics.path_decisions_by_path[decision.path].inc()
         logger.debug(
             "path conversation_id=%s request_id=%s path=%s reason=%r",
             turn.conversation_id,
@@ -59,10 +59,10 @@ class TurnBook:
             decision.reason,
         )
 
-    async def finish(
+    async def assess(
         self, turn: Turn, record: ConversationRecord | None, decode: BackendState, output: TurnOutput
-    ) -> ConversationRecord | None:
-        """Decode finished cleanly: learn what it retained and remember it for the next turn."""
+    ) -> ConversationRecord:
+        """Decode finished cleanly: what it retained, as the record the next turn would start from."""
         usage = output.usage or {}
         if turn.prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
             turn.prompt_tokens = usage["prompt_tokens"]
@@ -75,7 +75,7 @@ class TurnBook:
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
-        new = ConversationRecord(
+        return ConversationRecord(
             decode=decode.name,
             request_id=turn.request_id,
             retained=retained,
@@ -84,10 +84,21 @@ class TurnBook:
             retained_tokens=tokens,
             prefix=Prefix.of_turn(turn.body, output.assistant_message()),
         )
+
+    def keeps(self, turn: Turn) -> bool:
+        """Whether `remember` will store this turn's record (it can still lose a race to another turn)."""
+        return turn.key is not None and self.settings.reuse
+
+    async def remember(
+        self, turn: Turn, record: ConversationRecord | None, new: ConversationRecord
+    ) -> ConversationRecord | None:
+        """Store `new` for the next turn, free blocks nobody will read, and log the turn. Runs after the
+        client has the whole answer, while the conversation lock is still held."""
         expected = record.version if record else 0
         stored = None
-        if turn.key is not None and self.settings.reuse:
-            if await self.store.compare_and_set(turn.key, new, expected=expected):
+        key = turn.key if self.keeps(turn) else None
+        if key is not None:
+            if await self.store.compare_and_set(key, new, expected=expected):
                 stored = dataclasses.replace(new, version=expected + 1)
             if stored is not None and record is not None and not turn.used_retained:
                 # P's read frees decode's blocks on a pull; any other path leaves the old ones pinned.
@@ -116,8 +127,12 @@ class TurnBook:
         params, expires_at = kv_params, None
         state: LeaseState = "none"
         if decode.retention:
-            # Our service knows the lease deadline (decode's own clock cannot be read from here).
-            found = await self.leases.retained(decode, request_id)
+            found = None
+            if not (params and params.get("remote_block_ids")):
+                # The answer did not carry them (vLLM < 0.33 streams): ask the service. When it did, our
+                # connector took a fresh lease of `lease_s` just before the last byte, so the deadline
+                # is known without a round trip on every turn.
+                found = await self.leases.retained(decode, request_id)
             if found is not None:
                 params = found["kv_transfer_params"]
                 left = found.get("expires_in_s")
@@ -146,8 +161,8 @@ class TurnBook:
 
     def _count(self, turn: Turn) -> None:
         m = self.metrics
-        m.turns.labels(path=turn.path).inc()
-        m.reuse.labels(result=turn.reuse).inc()
+        m.turns_by_path[turn.path].inc()
+        m.reuse_by_result[turn.reuse].inc()
         if turn.reused_tokens:
             m.reused_tokens.inc(turn.reused_tokens)
         if turn.ttft_ms is not None:

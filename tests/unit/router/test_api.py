@@ -233,3 +233,10 @@ async def test_openai_sdk_against_the_router(engines: FakeEngines, make_client) 
     assert args == '{"f": "a.txt"}' and parts[-1].choices[0].finish_reason == "tool_calls"
     assert lookup.status_code == 200  # prompt_cache_key carried the conversation id
     assert all("prompt_cache_key" not in b for b in engines.completions(""))
+
+
+async def test_completions_ignore_a_stray_messages_field(engines: FakeEngines, make_client) -> None:
+    # Found by the fuzz test: the prompt-size and prefix code read `messages` whatever the endpoint.
+    async with make_client() as client:
+        r = await client.post("/v1/completions", json={"model": "tiny", "messages": None, "prompt": "hi"})
+    assert r.status_code == 200, r.text

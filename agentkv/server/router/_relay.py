@@ -1,0 +1,128 @@
+"""Responses that finish a turn's bookkeeping after the client has the last byte.
+
+The store update, lease releases and the log line are the router's business, not the client's: they run
+once the response is complete, while the conversation lock is still held, so the next turn of the same
+conversation still sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from starlette.responses import Response, StreamingResponse
+
+from ._backend import BackendState
+from ._errors import error_body
+from ._hops import close_quietly
+from ._sse import DONE, EventSplitter, TurnOutput, error_event
+from ._store import ConversationRecord
+from ._turn import TurnBook
+
+if TYPE_CHECKING:
+    from ._proxy import Turn
+
+__all__ = ["AfterwardsResponse", "Relay", "RelayResponse"]
+
+
+class AfterwardsResponse(Response):
+    """A whole JSON answer; `after` runs exactly once, when it was sent or the client left."""
+
+    def __init__(
+        self, content: bytes, *, headers: dict[str, str], after: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(content, media_type="application/json", headers=headers)
+        self._after = after
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Shielded: a client hang-up cancels us, but the lock and the bookkeeping must still finish.
+            await asyncio.shield(self._after())
+
+
+class Relay:
+    """Decode's stream on its way to the client. `close` runs exactly once, also when the client left
+    before the body started (then the generator never runs)."""
+
+    def __init__(
+        self,
+        *,
+        book: TurnBook,
+        turn: Turn,
+        record: ConversationRecord | None,
+        decode: BackendState,
+        resp: httpx.Response,
+        stack: contextlib.AsyncExitStack,
+    ) -> None:
+        self._book, self._turn, self._record, self._decode = book, turn, record, decode
+        self._resp, self._stack = resp, stack
+        self._output = TurnOutput()
+        self._ok = False
+        self._closed: asyncio.Task[None] | None = None
+        self._splitter: EventSplitter | None = None
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """Forward decode's events as they complete; never buffer the stream. A break after the first
+        byte ends with one error event and [DONE], so clients never hang."""
+        turn, timeouts = self._turn, self._book.settings.timeouts
+        splitter = self._splitter = EventSplitter(output=self._output)
+        failure: str | None = None
+        try:
+            async for data in self._book.hops.iter_stream(
+                self._resp, first_s=timeouts.decode_first_byte_s, idle_s=timeouts.decode_idle_s
+            ):
+                if turn.ttft_ms is None:
+                    turn.ttft_ms = (time.perf_counter() - turn.started) * 1000
+                # Events that arrived in one read leave in one write: one send per read, not per event.
+                if events := b"".join(splitter.feed(data)):
+                    yield events
+            if events := b"".join(splitter.flush()):
+                yield events
+            self._ok = splitter.done
+            failure = None if self._ok else "decode stream ended early"
+        except TimeoutError:
+            failure = "decode engine stopped sending (idle timeout)"
+            self._book.metrics.backend_errors.labels(role="decode", kind="timeout").inc()
+        except httpx.HTTPError:
+            failure = "decode engine connection lost"
+            self._book.metrics.backend_errors.labels(role="decode", kind="stream").inc()
+        if failure is not None:
+            yield error_event(error_body(502, failure, code="stream_interrupted"))
+            yield DONE
+
+    async def close(self) -> None:
+        # One cleanup task shared by every caller; shielded so a client hang-up cannot cut it short.
+        if self._closed is None:
+            self._closed = asyncio.ensure_future(self._cleanup())
+        await asyncio.shield(self._closed)
+
+    async def _cleanup(self) -> None:
+        async with self._stack:
+            self._decode.outstanding -= 1
+            await close_quietly(self._resp)
+            # Decode's [DONE] counts even if the client hung up right after receiving it (the SDK closes
+            # the response at [DONE], which can cancel the generator before its loop ends).
+            if self._ok or (self._splitter is not None and self._splitter.done):
+                new = await self._book.assess(self._turn, self._record, self._decode, self._output)
+                await self._book.remember(self._turn, self._record, new)
+            else:
+                await self._book.failed(self._turn, self._record)
+
+
+class RelayResponse(StreamingResponse):
+    """Streams `relay.events()`; the relay's bookkeeping runs after the last byte, never before it."""
+
+    def __init__(self, relay: Relay, *, headers: dict[str, str]) -> None:
+        super().__init__(relay.events(), media_type="text/event-stream", headers=headers)
+        self._relay = relay
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.close()
