@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -57,23 +57,15 @@ class Hops:
         role = state.backend.role
         state.outstanding += 1
         try:
-            async with asyncio.timeout(total_s):
-                resp = await self._transport.handle_async_request(
-                    self._request(state, path, body, request_id, total_s)
-                )
-                try:
-                    await resp.aread()
-                finally:
-                    await resp.aclose()
-        except _CONNECT_FAILURES:
-            self._metrics.backend_errors.labels(role=role, kind="connect").inc()
-            raise
-        except (TimeoutError, httpx.TimeoutException):
-            self._metrics.backend_errors.labels(role=role, kind="timeout").inc()
-            raise client_error(504, f"{role} engine timed out", code="upstream_timeout") from None
-        except httpx.HTTPError:
-            self._metrics.backend_errors.labels(role=role, kind="protocol").inc()
-            raise client_error(502, f"{role} engine connection failed", code="upstream_error") from None
+            with self._mapped_errors(role):
+                async with asyncio.timeout(total_s):
+                    resp = await self._transport.handle_async_request(
+                        self._request(state, path, body, request_id, total_s)
+                    )
+                    try:
+                        await resp.aread()
+                    finally:
+                        await resp.aclose()
         finally:
             state.outstanding -= 1
         self.check_status(role, resp.status_code, resp.content)
@@ -86,15 +78,11 @@ class Hops:
             raise client_error(502, f"{role} engine returned a malformed response", code="upstream_error")
         return data
 
-    async def open_stream(
-        self, state: BackendState, path: str, body: dict[str, Any], request_id: str, *, first_byte_s: float
-    ) -> httpx.Response:
-        """Send and wait for response headers; the caller reads (and must close) the body."""
-        role = state.backend.role
-        request = self._request(state, path, body, request_id, None)
+    @contextlib.contextmanager
+    def _mapped_errors(self, role: str) -> Iterator[None]:
+        """Connect failures propagate (the caller fails over); the rest become OpenAI-style errors."""
         try:
-            async with asyncio.timeout(first_byte_s):
-                resp = await self._transport.handle_async_request(request)
+            yield
         except _CONNECT_FAILURES:
             self._metrics.backend_errors.labels(role=role, kind="connect").inc()
             raise
@@ -104,6 +92,16 @@ class Hops:
         except httpx.HTTPError:
             self._metrics.backend_errors.labels(role=role, kind="protocol").inc()
             raise client_error(502, f"{role} engine connection failed", code="upstream_error") from None
+
+    async def open_stream(
+        self, state: BackendState, path: str, body: dict[str, Any], request_id: str, *, first_byte_s: float
+    ) -> httpx.Response:
+        """Send and wait for response headers; the caller reads (and must close) the body."""
+        role = state.backend.role
+        request = self._request(state, path, body, request_id, None)
+        with self._mapped_errors(role):
+            async with asyncio.timeout(first_byte_s):
+                resp = await self._transport.handle_async_request(request)
         if resp.status_code != 200:
             try:
                 content = await resp.aread()
