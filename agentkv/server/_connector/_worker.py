@@ -8,6 +8,7 @@ instance to the same "last core", so a decode that spins starves prefill's worke
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import sys
@@ -58,6 +59,32 @@ def progress_thread_delay(delay_us: int) -> Iterator[None]:
         bind.nixlAgentConfig = base
 
 
+def _shorten_worker_spin(busy_loop_s: float | None) -> None:
+    """Shorten how long this worker busy-waits on vLLM's shared-memory queue after each message.
+
+    vLLM spins ``sched_yield`` for 1 s after every read; while decode retains blocks the engine steps empty
+    batches every few ms, so the worker never stops spinning and burns a core for the whole retention
+    time. The reader's ``SpinCondition`` already exists when the connector is built (its RPCs arrive
+    through that queue); we only change its spin window. Older vLLM without it is left alone.
+    """
+    from vllm.platforms import current_platform
+
+    if busy_loop_s is None:
+        if current_platform.device_type != "cpu":
+            return
+        busy_loop_s = 0.005
+    try:
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+    except ImportError:
+        return
+    found = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, SpinCondition) and getattr(obj, "is_reader", False):
+            obj.busy_loop_s = busy_loop_s
+            found += 1
+    logger.info("agentkv set the worker's queue spin window to %.3fs (%d queue(s))", busy_loop_s, found)
+
+
 class AgentKVWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
@@ -66,6 +93,7 @@ class AgentKVWorker(NixlPullConnectorWorker):
         affinity: Any = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         with progress_thread_delay(settings.progress_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        _shorten_worker_spin(settings.worker_busy_loop_s)
         if settings.restore_affinity and affinity is not None and os.sched_getaffinity(0) != affinity:
             # vLLM pinned this thread to the last core of each NUMA node, the same core for every instance.
             os.sched_setaffinity(0, affinity)
