@@ -46,6 +46,9 @@ class BackendState:
     backend: Backend
     healthy: bool = True
     outstanding: int = 0
+    # Turns placed here without stickiness: breaks ties between idle backends, so conversations that
+    # arrive one at a time spread out instead of all landing on the first configured decode.
+    placed: int = 0
     # None until probed: whether decode runs our retention service (leases) or stock vLLM (fixed TTL).
     retention: bool | None = None
     lease_s: float | None = None

@@ -32,9 +32,12 @@ ReuseVerdict = Literal["ok", "miss", "expired", "mismatch"]
 def choose_prefill(
     states: Iterable[BackendState], *, exclude: frozenset[str] = frozenset()
 ) -> BackendState | None:
-    """The healthy P with the fewest outstanding requests (first configured wins ties)."""
+    """The healthy P with the fewest outstanding requests (ties: the one used least so far)."""
     candidates = [s for s in states if s.healthy and s.name not in exclude]
-    return min(candidates, key=lambda s: s.outstanding, default=None)
+    chosen = min(candidates, key=lambda s: (s.outstanding, s.placed), default=None)
+    if chosen is not None:
+        chosen.placed += 1
+    return chosen
 
 
 def choose_decode(
@@ -50,7 +53,10 @@ def choose_decode(
     for s in candidates:
         if s.name == sticky and s.outstanding < load_cap:
             return s
-    return min(candidates, key=lambda s: s.outstanding, default=None)
+    chosen = min(candidates, key=lambda s: (s.outstanding, s.placed), default=None)
+    if chosen is not None:
+        chosen.placed += 1
+    return chosen
 
 
 def assess_reuse(

@@ -149,3 +149,11 @@ def test_chars_per_token_is_learned() -> None:
     model = CostModel()
     model.observe_chars(3000, 1000)
     assert model.estimate_tokens(300) == 100
+
+
+def test_idle_backends_take_turns_for_new_conversations() -> None:
+    decodes = pool("decode", [0, 0])
+    picks = [choose_decode(decodes, sticky=None, load_cap=8) for _ in range(4)]
+    assert [p.name for p in picks if p] == ["d0", "d1", "d0", "d1"]
+    # Stickiness still wins over the spread.
+    assert (s := choose_decode(decodes, sticky="d1", load_cap=8)) is not None and s.name == "d1"
