@@ -36,7 +36,7 @@ from ._metrics import RouterMetrics
 from ._params import strip_client_fields
 from ._proxy import Turn, TurnRunner
 from ._settings import RouterSettings
-from ._store import ConversationStore, MemoryStore
+from ._store import ConversationStore, MemoryStore, StoreUnavailableError
 from ._transport import PooledTransport
 from ._turn import TurnBook
 
@@ -56,6 +56,9 @@ def _guarded(handler: Handler) -> Handler:
             return await handler(request)
         except APIStatusError as exc:
             return error_response(exc)
+        except StoreUnavailableError:
+            logger.warning("conversation store unavailable for %s %s", request.method, request.url.path)
+            return JSONResponse(error_body(503, "conversation store unavailable, retry"), status_code=503)
         except Exception:
             logger.exception("unhandled error serving %s %s", request.method, request.url.path)
             return JSONResponse(error_body(500, "internal router error"), status_code=500)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import time
 from typing import Any
 
@@ -29,10 +30,12 @@ from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, cho
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
 from ._sse import TurnOutput
-from ._store import ConversationRecord
+from ._store import ConversationRecord, StoreUnavailableError
 from ._turn import TurnBook
 
 __all__ = ["Turn", "TurnRunner"]
+
+logger = logging.getLogger("agentkv.router")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -82,11 +85,20 @@ class TurnRunner:
         stack = contextlib.AsyncExitStack()
         try:
             locked = True
+            record = None
             if turn.key is not None:
-                locked = await stack.enter_async_context(
-                    self._book.store.lock(turn.key, timeout=self._s.conversation_lock_timeout_s)
-                )
-            record = await self._book.store.get(turn.key) if turn.key is not None else None
+                try:
+                    locked = await stack.enter_async_context(
+                        self._book.store.lock(turn.key, timeout=self._s.conversation_lock_timeout_s)
+                    )
+                    record = await self._book.store.get(turn.key)
+                except StoreUnavailableError as exc:
+                    # No shared state: serve the turn without reuse (a recompute) rather than fail it.
+                    logger.warning("serving %s without reuse: %s", turn.conversation_id, exc)
+                    self._book.metrics.backend_errors.labels(role="store", kind="unavailable").inc()
+                    await stack.aclose()
+                    stack = contextlib.AsyncExitStack()
+                    turn.key = None
             decode, decision = await self._plan(turn, record, locked)
             try:
                 if decision.path == "decode-local":

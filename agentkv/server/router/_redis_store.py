@@ -8,10 +8,10 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from ._store import ConversationRecord
+from ._store import ConversationRecord, StoreUnavailableError
 
 __all__ = ["RedisStore"]
 
@@ -44,8 +44,20 @@ class RedisStore:
         client: Any = None,
     ) -> None:
         import redis.asyncio as redis_asyncio
+        from redis.asyncio.retry import Retry
+        from redis.backoff import ExponentialBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
 
-        self._redis: Any = client or redis_asyncio.Redis.from_url(url, decode_responses=True)
+        # A restarted Redis leaves dead pooled connections: retry on a fresh one instead of failing a turn.
+        self._redis: Any = client or redis_asyncio.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_timeout=2.0,
+            socket_connect_timeout=2.0,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
         self._prefix = prefix
         self._margin = ttl_margin_s
         self._idle = idle_ttl_s
@@ -58,7 +70,8 @@ class RedisStore:
         return f"{self._prefix}conv:{key}"
 
     async def get(self, key: str) -> ConversationRecord | None:
-        data = await self._redis.hget(self._key(key), "data")
+        with _unavailable():
+            data = await self._redis.hget(self._key(key), "data")
         if data is None:
             return None
         record = ConversationRecord.from_json(json.loads(data))
@@ -69,17 +82,19 @@ class RedisStore:
         ttl = self._idle
         if new.expires_at is not None:
             ttl = max(new.expires_at - time.time(), 0.0) + self._margin
-        done = await self._cas(
-            keys=[self._key(key)],
-            args=[str(expected), str(expected + 1), json.dumps(new.to_json()), max(math.ceil(ttl), 1)],
-        )
+        with _unavailable():
+            done = await self._cas(
+                keys=[self._key(key)],
+                args=[str(expected), str(expected + 1), json.dumps(new.to_json()), max(math.ceil(ttl), 1)],
+            )
         return bool(done)
 
     async def delete(self, key: str) -> ConversationRecord | None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hget(self._key(key), "data")
-            pipe.delete(self._key(key))
-            data, _ = await pipe.execute()
+        with _unavailable():
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.hget(self._key(key), "data")
+                pipe.delete(self._key(key))
+                data, _ = await pipe.execute()
         return ConversationRecord.from_json(json.loads(data)) if data is not None else None
 
     @contextlib.asynccontextmanager
@@ -90,7 +105,9 @@ class RedisStore:
         acquired = False
         delay = 0.005
         while True:
-            if await self._redis.set(name, token, nx=True, px=self._lock_ttl_ms):
+            with _unavailable():
+                got = await self._redis.set(name, token, nx=True, px=self._lock_ttl_ms)
+            if got:
                 acquired = True
                 break
             if time.monotonic() >= deadline:
@@ -101,13 +118,27 @@ class RedisStore:
             yield acquired
         finally:
             if acquired:
-                await self._unlock(keys=[name], args=[token])
+                # If Redis went away meanwhile the lock's TTL frees it; the turn itself already finished.
+                with contextlib.suppress(StoreUnavailableError), _unavailable():
+                    await self._unlock(keys=[name], args=[token])
 
     async def count(self) -> int:
         n = 0
-        async for _ in self._redis.scan_iter(match=f"{self._prefix}conv:*", count=1000):
-            n += 1
+        with _unavailable():
+            async for _ in self._redis.scan_iter(match=f"{self._prefix}conv:*", count=1000):
+                n += 1
         return n
 
     async def aclose(self) -> None:
         await self._redis.aclose()
+
+
+@contextlib.contextmanager
+def _unavailable() -> Iterator[None]:
+    """Redis errors leave this module as one type the router knows how to degrade on."""
+    from redis.exceptions import RedisError
+
+    try:
+        yield
+    except RedisError as exc:
+        raise StoreUnavailableError(f"conversation store unavailable: {exc}") from exc

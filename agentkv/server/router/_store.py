@@ -10,11 +10,24 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, Protocol
 
+from agentkv._exceptions import AgentKVError
+
 from ._prefix import Prefix
 
-__all__ = ["ConversationRecord", "ConversationStore", "EvictHook", "LeaseState", "MemoryStore"]
+__all__ = [
+    "ConversationRecord",
+    "ConversationStore",
+    "EvictHook",
+    "LeaseState",
+    "MemoryStore",
+    "StoreUnavailableError",
+]
 
 LeaseState = Literal["held", "fixed_ttl", "none"]
+
+
+class StoreUnavailableError(AgentKVError):
+    """The shared store (Redis) cannot be reached. Turns are then served without reuse, never failed."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

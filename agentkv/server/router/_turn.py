@@ -4,6 +4,7 @@ store update, leases, metrics, the cost model and the one log line per turn."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ from ._policy import CostModel, PathDecision
 from ._prefix import Prefix, prompt_chars
 from ._settings import RouterSettings
 from ._sse import TurnOutput
-from ._store import ConversationRecord, ConversationStore, LeaseState
+from ._store import ConversationRecord, ConversationStore, LeaseState, StoreUnavailableError
 
 if TYPE_CHECKING:
     from ._proxy import Turn
@@ -98,8 +99,11 @@ class TurnBook:
         stored = None
         key = turn.key if self.keeps(turn) else None
         if key is not None:
-            if await self.store.compare_and_set(key, new, expected=expected):
-                stored = dataclasses.replace(new, version=expected + 1)
+            try:
+                if await self.store.compare_and_set(key, new, expected=expected):
+                    stored = dataclasses.replace(new, version=expected + 1)
+            except StoreUnavailableError as exc:  # the answer is out already; only reuse is lost
+                logger.warning("could not remember %s: %s", turn.conversation_id, exc)
             if stored is not None and record is not None and not turn.used_retained:
                 # P's read frees decode's blocks on a pull; any other path leaves the old ones pinned.
                 await self.release(record)
@@ -114,7 +118,8 @@ class TurnBook:
         """A turn broke after its hops started. If P was offered decode's blocks they are consumed."""
         if turn.key is not None and record is not None and turn.used_retained:
             spent = dataclasses.replace(record, retained=None, lease_state="none", expires_at=None)
-            await self.store.compare_and_set(turn.key, spent, expected=record.version)
+            with contextlib.suppress(StoreUnavailableError):
+                await self.store.compare_and_set(turn.key, spent, expected=record.version)
         turn.reuse = f"{turn.reuse}/failed"
         self.log(turn)
 

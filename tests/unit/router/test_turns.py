@@ -436,3 +436,19 @@ async def test_prefill_timeout_is_504(engines: FakeEngines, make_client) -> None
     async with make_client(timeouts={"prefill_s": 0.05}) as client:
         r = await chat(client, USER1)
     assert r.status_code == 504 and r.json()["error"]["type"] == "gateway_timeout"
+
+
+async def test_unreachable_store_serves_the_turn_without_reuse(engines: FakeEngines, make_client) -> None:
+    from agentkv.server.router import MemoryStore
+    from agentkv.server.router._store import StoreUnavailableError
+
+    class DownStore(MemoryStore):
+        async def get(self, key: str):  # type: ignore[no-untyped-def]
+            raise StoreUnavailableError("redis is restarting")
+
+    async with make_client(store=DownStore()) as client:
+        r = await chat(client, USER1)
+        assert r.status_code == 200  # a recompute, not an error
+        assert r.headers["x-agentkv-reuse"] == "miss"
+        lookup = await client.get("/v1/conversations/c1")
+        assert lookup.status_code == 503 and lookup.json()["error"]["message"]
