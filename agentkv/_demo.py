@@ -48,7 +48,13 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
     from agentkv.session import run_research_agent
 
     model = ensure_tiny_model()
-    cfg = ClusterConfig(model=str(model), router_port=ON_PORT, prefill_prefix_caching=False, lease_s=120)
+    cfg = ClusterConfig(
+        model=str(model),
+        router_port=ON_PORT,
+        prefill_prefix_caching=False,
+        lease_s=120,
+        tool_call_parser="hermes",
+    )
     cluster = Cluster(config=cfg)
     t0 = time.monotonic()
     with console.status("starting prefill, decode and the router (1-3 minutes on 2 CPU cores) ...") as status:

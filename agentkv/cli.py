@@ -151,7 +151,11 @@ def up(
             cfg = ClusterConfig.from_file(config, **overrides, **({"model": str(model)} if model else {}))
         else:
             m = str(model) if model else str(ensure_tiny_model())
-            cfg = ClusterConfig(model=m, **{k: v for k, v in overrides.items() if v is not None})
+            # The tiny model's chat template emits hermes-style <tool_call> tags.
+            parser = None if model else "hermes"
+            cfg = ClusterConfig(
+                model=m, tool_call_parser=parser, **{k: v for k, v in overrides.items() if v is not None}
+            )
         cluster = Cluster(config=cfg)
         with console.status("starting engines (1-3 minutes on CPU) ...") as status:
             cluster.up(on_tick=lambda name, t: status.update(f"starting engines ... {name} {t:.0f}s"))

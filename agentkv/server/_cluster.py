@@ -57,6 +57,7 @@ class ClusterConfig:
     cost_model: bool = True
     max_model_len: int = 8192
     block_size: int | None = None
+    tool_call_parser: str | None = None
     log_dir: Path = Path(".agentkv/logs")
     router_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
@@ -103,6 +104,7 @@ class ClusterConfig:
             cost_model=self.cost_model,
             max_model_len=self.max_model_len,
             block_size=self.block_size,
+            tool_call_parser=self.tool_call_parser,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
             env=dict(self.env),

@@ -68,6 +68,8 @@ class EngineSpec:
     cpu_kvcache_gib: int = 1
     cpu_core: int | None = None  # OMP thread binding on CPU
     block_size: int | None = None
+    # Lets clients use tools (tool_choice="required" too); "hermes" parses the tiny model's <tool_call>.
+    tool_call_parser: str | None = None
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -136,6 +138,8 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--block-size", str(block_size)]
     if spec.device == "cpu":
         argv += ["--dtype", "bfloat16"]
+    if spec.tool_call_parser:
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     if spec.role != "single":
         argv += ["--kv-transfer-config", json.dumps(_kv_transfer_config(spec))]
     argv += spec.extra_args

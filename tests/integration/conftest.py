@@ -44,6 +44,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         router_port=None,
         prefill_prefix_caching=False,
         lease_s=LEASE_S,
+        tool_call_parser="hermes",
         max_model_len=4096,
         log_dir=LOG_DIR / "main",
     )

@@ -26,7 +26,11 @@ from agentkv.server._launcher import Engine
 from ._helpers import RouterProc, chat, conversation_script, new_id, start_router
 from .conftest import LOG_DIR
 
-SHORT = {"AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20", "AGENTKV_TIMEOUTS__PREFILL_S": "60"}
+SHORT = {
+    "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",
+    "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "30",
+    "AGENTKV_TIMEOUTS__PREFILL_S": "60",
+}
 
 
 def _free_port() -> int:
