@@ -28,7 +28,7 @@ from .conftest import LOG_DIR
 
 SHORT = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",
-    "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "30",
+    "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "90",  # a first P->D handshake on 2 busy cores can take 30 s
     "AGENTKV_TIMEOUTS__PREFILL_S": "60",
 }
 
@@ -218,11 +218,11 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
         r = httpx.post(
             f"{b.url}/v1/chat/completions",
             headers={"x-session-id": cid},
-            timeout=120,
+            timeout=200,
             json={"model": "tiny", "messages": h, "max_tokens": 4, "temperature": 0},
         )
         elapsed = time.monotonic() - t0
-        assert elapsed < 90, "request hung"
+        assert elapsed < 150, "request hung"  # bounded by the router's decode timeout (90 s)
         if r.status_code != 200:  # a clean OpenAI-style timeout error, never a hang or a 500
             assert r.status_code in (502, 503, 504) and "error" in r.json()
     finally:
