@@ -4,6 +4,7 @@ closing a session frees decode blocks, and the LangChain / LlamaIndex adapters c
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 import httpx
 
@@ -16,15 +17,16 @@ from .conftest import LEASE_S
 TOOL_SLEEP_S = LEASE_S + 3  # every tool outlives the decode lease
 
 
-def lookup(a: int, b: int) -> str:
-    """Look up a row in the slow database.
+def lookup(table: Literal["orders", "users"]) -> str:
+    """Look up the slow database.
 
     Args:
-        a: first key
-        b: second key
+        table: which table
     """
+    # An enum keeps the forced tool-call JSON short: the random-weight model would otherwise write
+    # digits until max_tokens and the call would never parse.
     time.sleep(TOOL_SLEEP_S)
-    return f"row {a}/{b}: 42"
+    return f"{table}: 42 rows"
 
 
 def _agent(router: RouterProc, *, heartbeat: bool, steps: int) -> list[str]:
@@ -35,7 +37,7 @@ def _agent(router: RouterProc, *, heartbeat: bool, steps: int) -> list[str]:
             max_steps=steps + 1,
             force_tool_steps=steps,
             tool_choice="none",
-            max_tokens=24,
+            max_tokens=64,
             temperature=0,
         )
         assert len(s.turns) == steps + 1
