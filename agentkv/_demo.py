@@ -80,7 +80,7 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
                         {
                             "leg": leg,
                             "conversation": conv + 1,
-                            "call": t.index + 1,
+                            "call": t.index,
                             "prompt_tokens": t.prompt_tokens,
                             "reused_tokens": t.reused_tokens or 0,
                             "reuse": t.reuse,
