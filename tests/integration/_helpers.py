@@ -220,3 +220,12 @@ def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
             return r.json()["kv_transfer_params"]
         time.sleep(0.05)
     return None
+
+
+def warm_up(cluster: Any) -> None:
+    """One turn through every prefill/decode pair. The first NIXL handshake between two engines can take
+    tens of seconds on a loaded 2-core machine (a deployment warms up the same way); tests then measure the
+    steady state, with the router's normal timeouts."""
+    for p in cluster.prefills:
+        for d in cluster.decodes:
+            pd_turn(p.spec.url, d.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)

@@ -14,7 +14,7 @@ import pytest
 
 from agentkv.server._cluster import Cluster, ClusterConfig
 
-from ._helpers import RouterProc, start_router
+from ._helpers import RouterProc, start_router, warm_up
 
 LOG_DIR = Path(os.environ.get("AGENTKV_IT_LOGS", ".agentkv/it-logs"))
 P_PORT, D_PORT = 18100, 18200
@@ -54,6 +54,7 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         return
     c.up()
     try:
+        warm_up(c)
         yield c
     finally:
         c.down()

@@ -23,7 +23,7 @@ import pytest
 from agentkv.server._cluster import Cluster, ClusterConfig
 from agentkv.server._launcher import Engine
 
-from ._helpers import RouterProc, chat, conversation_script, new_id, start_router
+from ._helpers import RouterProc, chat, conversation_script, new_id, pd_turn, start_router, warm_up
 from .conftest import LOG_DIR
 
 SHORT = {
@@ -83,6 +83,7 @@ def cluster22(model_dir: Path) -> Iterator[Cluster]:
     c = Cluster(config=cfg)
     c.up()
     try:
+        warm_up(c)
         yield c
     finally:
         c.down()
@@ -259,6 +260,8 @@ def test_decode_killed_between_turns_then_restarted(
     assert _decode_of(b, c2) != target
     engine.start()
     engine.wait_healthy(timeout_s=600)
+    for p in cluster22.prefills:  # the restarted engine's first NIXL handshakes (slow on 2 busy cores)
+        pd_turn(p.spec.url, engine.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)
     time.sleep(8)  # a health round brings it back and re-reads its (new) engine registration
     h1.append({"role": "user", "content": "tool result: after the restart"})
     t1 = chat(b.url, h1, conversation_id=c1)  # stale params of the old engine must not be used

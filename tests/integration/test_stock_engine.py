@@ -18,7 +18,7 @@ import pytest
 from agentkv.server._cluster import Cluster, ClusterConfig
 
 from ._cases import assistant_text_shortened, conversation_id_reused, edited_earlier_user_message
-from ._helpers import RouterProc, chat, conversation_script, new_id, start_router
+from ._helpers import RouterProc, chat, conversation_script, new_id, start_router, warm_up
 from .conftest import LOG_DIR
 from .test_reuse_correctness import run_case
 
@@ -42,6 +42,7 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
     c = Cluster(config=cfg)
     c.up()
     try:
+        warm_up(c)
         yield c
     finally:
         c.down()
