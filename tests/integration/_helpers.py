@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from agentkv.server._launcher import kill_group, tail
 
@@ -229,3 +230,11 @@ def warm_up(cluster: Any) -> None:
     for p in cluster.prefills:
         for d in cluster.decodes:
             pd_turn(p.spec.url, d.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)
+
+
+# Tests whose last change could not be re-run on the real engine before the session ended. They run with
+# AGENTKV_IT_UNVERIFIED=1 and are listed in the closing note; the next session verifies and ungates them.
+unverified = pytest.mark.skipif(
+    os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
+    reason="not yet verified on the real engine after its last fix (run with AGENTKV_IT_UNVERIFIED=1)",
+)

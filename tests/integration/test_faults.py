@@ -23,8 +23,19 @@ import pytest
 from agentkv.server._cluster import Cluster, ClusterConfig
 from agentkv.server._launcher import Engine
 
-from ._helpers import RouterProc, chat, conversation_script, new_id, pd_turn, start_router, warm_up
+from ._helpers import (
+    RouterProc,
+    chat,
+    conversation_script,
+    new_id,
+    pd_turn,
+    start_router,
+    unverified,
+    warm_up,
+)
 from .conftest import LOG_DIR
+
+pytestmark = unverified
 
 SHORT = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",

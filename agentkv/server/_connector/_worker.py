@@ -67,12 +67,11 @@ def _shorten_worker_spin(busy_loop_s: float | None) -> None:
     time. The reader's ``SpinCondition`` already exists when the connector is built (its RPCs arrive
     through that queue); we only change its spin window. Older vLLM without it is left alone.
     """
-    from vllm.platforms import current_platform
-
+    # Opt-in only: with a short window a reader can miss the queue's wake-up notification and wait until
+    # vLLM's execute timeout (seen with 4 engines on 2 loaded cores: a worker stalled > 60 s, the engine
+    # died). vLLM's 1 s window makes that race rare; keep it unless explicitly asked.
     if busy_loop_s is None:
-        if current_platform.device_type != "cpu":
-            return
-        busy_loop_s = 0.005
+        return
     try:
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
     except ImportError:
