@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,19 @@ def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
             return r.json()["kv_transfer_params"]
         time.sleep(0.05)
     return None
+
+
+def running(cfg: Any) -> Iterator[Any]:
+    """Start a cluster, warm every P/D pair, yield it, stop it: the body of each cluster fixture."""
+    from agentkv.server._cluster import Cluster
+
+    c = Cluster(config=cfg)
+    c.up()
+    try:
+        warm_up(c)
+        yield c
+    finally:
+        c.down()
 
 
 def warm_up(cluster: Any) -> None:

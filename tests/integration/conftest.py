@@ -14,7 +14,7 @@ import pytest
 
 from agentkv.server._cluster import Cluster, ClusterConfig
 
-from ._helpers import RouterProc, start_router, warm_up
+from ._helpers import RouterProc, running, start_router
 
 LOG_DIR = Path(os.environ.get("AGENTKV_IT_LOGS", ".agentkv/it-logs"))
 P_PORT, D_PORT = 18100, 18200
@@ -48,16 +48,10 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         max_model_len=4096,
         log_dir=LOG_DIR / "main",
     )
-    c = Cluster(config=cfg)
     if os.environ.get("AGENTKV_IT_EXTERNAL") == "1":
-        yield c
+        yield Cluster(config=cfg)
         return
-    c.up()
-    try:
-        warm_up(c)
-        yield c
-    finally:
-        c.down()
+    yield from running(cfg)
 
 
 def _router(cluster: Cluster, port: int, name: str, *args: str) -> RouterProc:

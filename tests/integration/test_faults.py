@@ -29,9 +29,9 @@ from ._helpers import (
     conversation_script,
     new_id,
     pd_turn,
+    running,
     start_router,
     unverified,
-    warm_up,
 )
 from .conftest import LOG_DIR
 
@@ -91,13 +91,7 @@ def cluster22(model_dir: Path) -> Iterator[Cluster]:
         max_model_len=4096,
         log_dir=LOG_DIR / "2p2d",
     )
-    c = Cluster(config=cfg)
-    c.up()
-    try:
-        warm_up(c)
-        yield c
-    finally:
-        c.down()
+    yield from running(cfg)
 
 
 def _routers(cluster: Cluster, redis_port: int, port: int, name: str, *args: str) -> RouterProc:

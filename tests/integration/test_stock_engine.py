@@ -18,7 +18,15 @@ import pytest
 from agentkv.server._cluster import Cluster, ClusterConfig
 
 from ._cases import assistant_text_shortened, conversation_id_reused, edited_earlier_user_message
-from ._helpers import RouterProc, chat, conversation_script, new_id, start_router, unverified, warm_up
+from ._helpers import (
+    RouterProc,
+    chat,
+    conversation_script,
+    new_id,
+    running,
+    start_router,
+    unverified,
+)
 from .conftest import LOG_DIR
 from .test_reuse_correctness import run_case
 
@@ -39,13 +47,7 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         max_model_len=4096,
         log_dir=LOG_DIR / "stock",
     )
-    c = Cluster(config=cfg)
-    c.up()
-    try:
-        warm_up(c)
-        yield c
-    finally:
-        c.down()
+    yield from running(cfg)
 
 
 def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[RouterProc]:
