@@ -147,15 +147,13 @@ def up(
         lease_s=lease_s,
     )
     try:
+        if model is not None:
+            overrides["model"] = str(model)
         if config is not None:
-            cfg = ClusterConfig.from_file(config, **overrides, **({"model": str(model)} if model else {}))
+            cfg = ClusterConfig.from_file(config, **overrides, default_model=_tiny_model_defaults)
         else:
-            m = str(model) if model else str(ensure_tiny_model())
-            # The tiny model's chat template emits hermes-style <tool_call> tags.
-            parser = None if model else "hermes"
-            cfg = ClusterConfig(
-                model=m, tool_call_parser=parser, **{k: v for k, v in overrides.items() if v is not None}
-            )
+            given = {k: v for k, v in overrides.items() if v is not None}
+            cfg = ClusterConfig(**given) if model else ClusterConfig(**{**_tiny_model_defaults(), **given})
         cluster = Cluster(config=cfg)
         with console.status("starting engines (1-3 minutes on CPU) ...") as status:
             cluster.up(on_tick=lambda name, t: status.update(f"starting engines ... {name} {t:.0f}s"))
@@ -167,6 +165,11 @@ def up(
         _wait_forever(cluster.down)
     else:
         console.print("stop with: [bold]agentkv down[/]")
+
+
+def _tiny_model_defaults() -> dict[str, Any]:
+    """No model named: the tiny model (built if missing); its chat template emits hermes <tool_call> tags."""
+    return {"model": str(ensure_tiny_model()), "tool_call_parser": "hermes"}
 
 
 def _print_cluster(info: dict[str, Any]) -> None:

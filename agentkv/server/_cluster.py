@@ -70,7 +70,11 @@ class ClusterConfig:
         self.log_dir = Path(self.log_dir)
 
     @classmethod
-    def from_file(cls, path: str | Path, **overrides: Any) -> ClusterConfig:
+    def from_file(
+        cls, path: str | Path, *, default_model: Callable[[], dict[str, Any]] | None = None, **overrides: Any
+    ) -> ClusterConfig:
+        """Read a TOML/JSON config; ``overrides`` that are not None win. A file and overrides that name no
+        model take ``default_model()`` (the CLI builds the tiny model lazily, only when it is needed)."""
         p = Path(path)
         if not p.exists():
             raise ConfigError(f"cluster config {p} does not exist")
@@ -85,7 +89,12 @@ class ClusterConfig:
             raise ConfigError(
                 f"unknown keys in {p}: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
             )
-        return cls(**{**data, **{k: v for k, v in overrides.items() if v is not None}})
+        data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+        if "model" not in data:
+            if default_model is None:
+                raise ConfigError(f"{p} names no model")
+            data = {**default_model(), **data}
+        return cls(**data)
 
     def specs(self) -> list[tuple[str, EngineSpec]]:
         device = self.device or detect_device()

@@ -73,3 +73,21 @@ def test_cluster_config_file_errors_are_clear(tmp_path: Path) -> None:
     assert names == ["prefill0", "decode0", "decode1"]
     with pytest.raises(ConfigError):
         ClusterConfig(model="/m", n_decode=0)
+
+
+def test_cluster_config_file_without_model_takes_the_default_only_when_needed(tmp_path: Path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("lease_s = 14\n")
+    with pytest.raises(ConfigError, match="names no model"):
+        ClusterConfig.from_file(f)
+    calls: list[int] = []
+
+    def default() -> dict[str, str]:
+        calls.append(1)
+        return {"model": "/tiny", "tool_call_parser": "hermes"}
+
+    cfg = ClusterConfig.from_file(f, default_model=default)
+    assert (cfg.model, cfg.tool_call_parser, cfg.lease_s, calls) == ("/tiny", "hermes", 14, [1])
+    # A model named by the caller wins, and the default (which may build a model) is never called.
+    cfg = ClusterConfig.from_file(f, default_model=default, model="/mine")
+    assert (cfg.model, cfg.tool_call_parser, calls) == ("/mine", None, [1])
