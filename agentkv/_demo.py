@@ -45,6 +45,7 @@ def _start_off_router(cluster: Any, log: Path) -> subprocess.Popen[bytes]:
 def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) -> dict[str, Any]:
     from agentkv.cli import ensure_tiny_model
     from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server._model import tiny_serving
     from agentkv.session import run_research_agent
 
     model = ensure_tiny_model()
@@ -53,7 +54,7 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
         router_port=ON_PORT,
         prefill_prefix_caching=False,
         lease_s=120,
-        tool_call_parser="hermes",
+        **tiny_serving(),
     )
     cluster = Cluster(config=cfg)
     t0 = time.monotonic()
@@ -73,7 +74,7 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
                         turns=turns,
                         force_tool_steps=1,
                         max_steps=3,
-                        max_tokens=24,
+                        max_tokens=64,
                     )
                 for t in run.turns:
                     rows.append(

@@ -168,8 +168,10 @@ def up(
 
 
 def _tiny_model_defaults() -> dict[str, Any]:
-    """No model named: the tiny model (built if missing); its chat template emits hermes <tool_call> tags."""
-    return {"model": str(ensure_tiny_model()), "tool_call_parser": "hermes"}
+    """No model named: the tiny model (built if missing), served as ``tiny_serving()`` says."""
+    from agentkv.server._model import tiny_serving
+
+    return {"model": str(ensure_tiny_model()), **tiny_serving()}
 
 
 def _print_cluster(info: dict[str, Any]) -> None:

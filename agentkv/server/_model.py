@@ -18,7 +18,25 @@ from typing import Any
 
 from agentkv._exceptions import EngineNotInstalledError
 
-__all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "make_tiny_model"]
+__all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "make_tiny_model", "tiny_serving"]
+
+
+# How the engines serve the tiny model (ClusterConfig fields). Its chat template writes hermes <tool_call>
+# tags. Forced tool calls (tool_choice="required" or named) must terminate with random weights: vLLM 0.32's
+# default structural tag for hermes lets the model pad the arguments with whitespace until max_tokens, so the
+# engines take vLLM's JSON-schema path for forced calls (VLLM_ENFORCE_STRICT_TOOL_CALLING=0) with
+# whitespace disabled; with parallel_tool_calls=false a forced call is then short and always parses.
+def tiny_serving() -> dict[str, Any]:
+    """ClusterConfig fields for the tiny model (a fresh dict each call: callers may extend the lists)."""
+    return {
+        "tool_call_parser": "hermes",
+        "env": {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
+        "extra_args": [
+            "--structured-outputs-config",
+            '{"backend": "xgrammar", "disable_any_whitespace": true}',
+        ],
+    }
+
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 

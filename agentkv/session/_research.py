@@ -15,7 +15,9 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from agentkv.client import first_model
 from agentkv.session._session import Session
@@ -83,7 +85,7 @@ def prepare_workdir(workdir: Path) -> Path:
 def make_research_tools(workdir: Path) -> list[Tool]:
     database = prepare_workdir(workdir)
 
-    def calculator(expression: str) -> float:
+    def calculator(expression: Annotated[str, Field(max_length=40)]) -> float:
         """Evaluate an arithmetic expression.
 
         Args:
@@ -91,7 +93,7 @@ def make_research_tools(workdir: Path) -> list[Tool]:
         """
         return _evaluate(ast.parse(expression, mode="eval"))
 
-    def search_files(query: str, max_hits: int = 5) -> list[dict[str, Any]]:
+    def search_files(query: Annotated[str, Field(max_length=32)], max_hits: int = 5) -> list[dict[str, Any]]:
         """Case-insensitive search of the local notes.
 
         Args:
@@ -105,7 +107,7 @@ def make_research_tools(workdir: Path) -> list[Tool]:
                     hits.append({"file": path.name, "line": number, "text": line})
         return hits[:max_hits]
 
-    def query_database(sql: str) -> list[list[Any]]:
+    def query_database(sql: Annotated[str, Field(max_length=60)]) -> list[list[Any]]:
         """Run a read-only SQL query on the `cities(name TEXT, population INTEGER)` table.
 
         Args:
@@ -115,6 +117,8 @@ def make_research_tools(workdir: Path) -> list[Tool]:
         with sqlite3.connect(f"file:{database}?mode=ro", uri=True) as db:
             return [list(row) for row in db.execute(sql).fetchmany(50)]
 
+    # Bounded string arguments keep a forced call short enough to finish within max_tokens even when the
+    # model (the random-weight tiny one) never closes a string by itself; they also suit these tools.
     return [Tool.from_function(f) for f in (calculator, search_files, query_database)]
 
 
@@ -156,6 +160,8 @@ def run_research_agent(
                     # After the forced steps, "none" makes the model answer: a random model
                     # under "auto" would need a tool parser on the server and might never stop.
                     tool_choice="none" if force_tool_steps else None,
+                    # One call per forced step: a random model would otherwise keep adding calls.
+                    **({"parallel_tool_calls": False} if force_tool_steps else {}),
                     max_tokens=max_tokens,
                 )
                 results.append(result)

@@ -60,9 +60,13 @@ class Tool:
     description: str
     arguments: type[BaseModel]
     fn: Callable[..., Any] | None = None  # None: a pydantic model tool, its "result" is the parsed model
+    # OpenAI's ``strict``: the server must make the arguments match the schema. vLLM (>= 0.32 with a
+    # structural-tag tool parser such as hermes) constrains only the call envelope unless a tool is strict,
+    # so a weak model can write arguments that are not even an object.
+    strict: bool = False
 
     @classmethod
-    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None) -> Tool:
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None, strict: bool = False) -> Tool:
         summary, docs = _parse_docstring(fn.__doc__)
         try:
             hints = typing.get_type_hints(fn, include_extras=True)
@@ -78,17 +82,21 @@ class Tool:
             fields[param.name] = (annotation, Field(default, description=docs.get(param.name)))
         tool_name = name or fn.__name__
         model = create_model(f"{tool_name}_arguments", **fields)
-        return cls(name=tool_name, description=summary, arguments=model, fn=fn)
+        return cls(name=tool_name, description=summary, arguments=model, fn=fn, strict=strict)
 
     @classmethod
-    def from_model(cls, model: type[BaseModel], *, name: str | None = None) -> Tool:
+    def from_model(cls, model: type[BaseModel], *, name: str | None = None, strict: bool = False) -> Tool:
         summary, _ = _parse_docstring(model.__doc__)
-        return cls(name=name or model.__name__, description=summary, arguments=model)
+        return cls(name=name or model.__name__, description=summary, arguments=model, strict=strict)
 
     def schema(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name, "parameters": self.arguments.model_json_schema()}
+        parameters = self.arguments.model_json_schema()
+        function: dict[str, Any] = {"name": self.name, "parameters": parameters}
         if self.description:
             function["description"] = self.description
+        if self.strict:
+            function["strict"] = True
+            parameters.setdefault("additionalProperties", False)  # strict schemas are closed (OpenAI rule)
         return {"type": "function", "function": function}
 
     def _bind(self, raw_arguments: str | None) -> BaseModel:

@@ -252,11 +252,3 @@ unverified = pytest.mark.skipif(
     os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
     reason="not yet verified on the real engine after its last fix (run with AGENTKV_IT_UNVERIFIED=1)",
 )
-
-# Known to fail at the end of session 1 (see the closing note): forced tool calls (tool_choice="required")
-# through prefill/decode do not come back as tool_calls from the tiny model, so the agent loop stops after
-# one turn. Kept runnable on demand, never counted as coverage.
-known_failing_tool_calls = pytest.mark.skipif(
-    os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
-    reason="KNOWN FAILING: forced tool calls via P/D return no tool_calls with the tiny model (closing note)",
-)

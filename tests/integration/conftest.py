@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._model import tiny_serving
 
 from ._helpers import RouterProc, running, start_router
 
@@ -44,8 +45,8 @@ def cluster(model_dir: Path) -> Iterator[Cluster]:
         router_port=None,
         prefill_prefix_caching=False,
         lease_s=LEASE_S,
-        tool_call_parser="hermes",
         max_model_len=4096,
+        **tiny_serving(),
         log_dir=LOG_DIR / "main",
     )
     if os.environ.get("AGENTKV_IT_EXTERNAL") == "1":

@@ -48,6 +48,15 @@ def test_schema_from_pydantic_model() -> None:
     assert tool.invoke('{"text": "42"}') == Answer(text="42")
 
 
+def test_strict_tools_are_closed_schemas_and_plain_ones_are_not() -> None:
+    plain = Tool.from_function(add).schema()["function"]
+    assert "strict" not in plain and "additionalProperties" not in plain["parameters"]
+    for tool in (Tool.from_function(add, strict=True), Tool.from_model(Answer, strict=True)):
+        function = tool.schema()["function"]
+        assert function["strict"] is True
+        assert function["parameters"]["additionalProperties"] is False
+
+
 def test_not_a_tool() -> None:
     with pytest.raises(ToolError):
         Toolbox([42])
