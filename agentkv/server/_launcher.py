@@ -105,6 +105,10 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
             extra.setdefault("agentkv_idle_sleep_max_ms", 2.0)
             # GPU hosts have cores to spare: keep NIXL's busy progress thread (lowest transfer latency).
             extra.setdefault("agentkv_progress_delay_us", 0)
+        else:
+            # With steps at most once a second while blocks are only held, a worker that spins 0.1 s after
+            # each one instead of vLLM's 1 s leaves the cores to the other engines.
+            extra.setdefault("agentkv_worker_busy_loop_s", 0.1)
     if spec.device == "gpu":
         # One NIXL descriptor per block instead of one per layer and block (~150 instead of ~20k for a 24k
         # pull on Qwen3-8B): the pull's cost was posting descriptors, not moving bytes (shared/gpu/README).

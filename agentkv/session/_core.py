@@ -23,9 +23,9 @@ from agentkv.client import new_request_id, turn_headers
 from agentkv.session._delta import message_to_history
 from agentkv.session._heartbeat import HeartbeatScheduler
 from agentkv.session._stats import RouterHeaders, TurnStats, render_summary
-from agentkv.session._tools import RunResult, as_openai_tools
+from agentkv.session._tools import RunResult, Toolbox, as_openai_tools
 
-__all__ = ["BaseSession", "Messages", "PreparedTurn", "SessionCore", "new_conversation_id"]
+__all__ = ["BaseSession", "Messages", "PreparedTurn", "SessionCore", "ToolLoop", "new_conversation_id"]
 
 Messages = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 _VALID_ID = re.compile(CONVERSATION_ID_PATTERN)
@@ -168,26 +168,6 @@ class SessionCore:
     def elapsed(self, turn: PreparedTurn) -> float:
         return self._clock() - turn.started
 
-    def append(self, messages: Sequence[Mapping[str, Any]]) -> None:
-        """Add messages without a turn (tool results left over when ``run`` hits ``max_steps``)."""
-        self.history.extend(dict(m) for m in messages)
-
-    def run_result(
-        self,
-        message: ChatCompletionMessage,
-        *,
-        steps: int,
-        first_turn: int,
-        tool_messages: list[dict[str, Any]],
-    ) -> RunResult:
-        return RunResult(
-            message=message,
-            steps=steps,
-            stop_reason="max_steps" if message.tool_calls else "answer",
-            turns=self.turns[first_turn:],
-            tool_messages=tool_messages,
-        )
-
     def summary(self) -> str:
         return render_summary(self.turns, title=f"conversation {self.conversation_id}")
 
@@ -238,3 +218,76 @@ class BaseSession:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.conversation_id} turns={len(self.turns)} closed={self.closed}>"
+
+
+class ToolLoop:
+    """What ``run()`` decides between requests, shared by ``Session`` and ``AsyncSession``; they only
+    send the chat requests and execute the tools (sync or async).
+
+        loop = ToolLoop(core, prompt, tools=..., ...)
+        while (step := loop.next_step()) is not None:
+            message = chat(*step)
+            if (calls := loop.answered(message)):
+                loop.tool_results(execute(loop.toolbox, calls))
+        return loop.result()
+    """
+
+    def __init__(
+        self,
+        core: SessionCore,
+        prompt: Messages,
+        *,
+        tools: Sequence[Any],
+        max_steps: int,
+        tool_choice: Any,
+        force_tool_steps: int,
+        openai_params: dict[str, Any],
+    ) -> None:
+        self.toolbox = Toolbox(tools)
+        if max_steps < 1:
+            raise ConfigError(f"max_steps must be at least 1, got {max_steps}")
+        self._core = core
+        self._max_steps = max_steps
+        self._tool_choice = tool_choice
+        self._force_tool_steps = force_tool_steps
+        self._params = openai_params
+        self._first_turn = len(core.turns)
+        self._pending: Messages = prompt
+        self._results: list[dict[str, Any]] = []
+        self._step = 0
+        self._message: ChatCompletionMessage | None = None
+        self._tool_messages: list[dict[str, Any]] = []
+
+    def next_step(self) -> tuple[Messages, dict[str, Any]] | None:
+        """The messages and chat parameters of the next request, or None when the loop is over."""
+        done = self._message is not None and not self._message.tool_calls
+        if done or self._step >= self._max_steps:
+            return None
+        self._step += 1
+        # "required" on the first steps: random-weight models (and some real ones) never call by themselves.
+        choice = "required" if self._step <= self._force_tool_steps else self._tool_choice
+        params = {"tools": self.toolbox.schemas(), **({} if choice is None else {"tool_choice": choice})}
+        return self._pending, {**params, **self._params}
+
+    def answered(self, message: ChatCompletionMessage) -> list[Any]:
+        """Record the model's message; the tool calls to execute (empty: it answered)."""
+        self._message = message
+        return list(message.tool_calls or [])
+
+    def tool_results(self, messages: list[dict[str, Any]]) -> None:
+        self._pending = self._results = messages
+        self._tool_messages.extend(messages)
+
+    def result(self) -> RunResult:
+        assert self._message is not None, "result() before the first answer"
+        out_of_steps = bool(self._message.tool_calls)
+        if out_of_steps:
+            # Tool results answered but never sent: keep the history valid for the next turn.
+            self._core.history.extend(self._results)
+        return RunResult(
+            message=self._message,
+            steps=self._step,
+            stop_reason="max_steps" if out_of_steps else "answer",
+            turns=self._core.turns[self._first_turn :],
+            tool_messages=self._tool_messages,
+        )

@@ -15,10 +15,10 @@ from openai.types.chat import ChatCompletionMessage
 from agentkv._constants import DEFAULT_SESSION_HEADER
 from agentkv._exceptions import StreamInterruptedError, TransportError
 from agentkv.client import ControlClient, RetryPolicy, Timeouts, Transport
-from agentkv.session._core import BaseSession, Messages, SessionCore
+from agentkv.session._core import BaseSession, Messages, SessionCore, ToolLoop
 from agentkv.session._delta import Delta, MessageAssembler
 from agentkv.session._heartbeat import HeartbeatThread
-from agentkv.session._tools import RunResult, Toolbox, check_max_steps, step_tool_choice
+from agentkv.session._tools import RunResult
 
 __all__ = ["Session", "resolve_api_key"]
 
@@ -161,23 +161,20 @@ class Session(BaseSession):
 
         ``force_tool_steps``: send ``tool_choice="required"`` on the first N steps.
         """
-        toolbox = Toolbox(tools)
-        check_max_steps(max_steps)
-        first_turn = len(self.turns)
-        pending: Messages = prompt
-        tool_messages: list[dict[str, Any]] = []
-        for step in range(1, max_steps + 1):
-            choice = step_tool_choice(step, tool_choice=tool_choice, force_tool_steps=force_tool_steps)
-            extra = {} if choice is None else {"tool_choice": choice}
-            message = self.chat(pending, tools=toolbox.schemas(), **extra, **openai_params)
-            if not message.tool_calls:
-                break
-            pending = toolbox.execute(message.tool_calls, parallel=parallel_tools)
-            tool_messages.extend(pending)
-        else:
-            # Out of steps with tool calls answered but unsent: keep history valid for the next turn.
-            self._core.append(pending)  # type: ignore[arg-type]
-        return self._core.run_result(message, steps=step, first_turn=first_turn, tool_messages=tool_messages)
+        loop = ToolLoop(
+            self._core,
+            prompt,
+            tools=tools,
+            max_steps=max_steps,
+            tool_choice=tool_choice,
+            force_tool_steps=force_tool_steps,
+            openai_params=openai_params,
+        )
+        while (step := loop.next_step()) is not None:
+            pending, params = step
+            if calls := loop.answered(self.chat(pending, **params)):
+                loop.tool_results(loop.toolbox.execute(calls, parallel=parallel_tools))
+        return loop.result()
 
     # -- lifetime -----------------------------------------------------------------------------------
     def lease(self) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ import pydantic_core
 from openai.types.chat import ChatCompletionMessage
 from pydantic import BaseModel, Field, create_model
 
-from agentkv._exceptions import ConfigError, ToolError
+from agentkv._exceptions import ToolError
 from agentkv.session._stats import TurnStats
 
 __all__ = ["RunResult", "Tool", "ToolLike", "Toolbox", "as_openai_tools"]
@@ -200,16 +200,6 @@ class Toolbox:
         if not parallel:
             return [await self._arun_one(call) for call in calls]
         return list(await asyncio.gather(*(self._arun_one(call) for call in calls)))
-
-
-def check_max_steps(max_steps: int) -> None:
-    if max_steps < 1:
-        raise ConfigError(f"max_steps must be at least 1, got {max_steps}")
-
-
-def step_tool_choice(step: int, *, tool_choice: Any, force_tool_steps: int) -> Any:
-    """``"required"`` for the first ``force_tool_steps`` steps (random-weight models never call tools)."""
-    return "required" if step <= force_tool_steps else tool_choice
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,15 @@ class ConnectorSettings:
     require_fingerprints: bool = False  # refuse pulls whose params carry no block fingerprints
     progress_delay_us: int = 1000  # NIXL progress thread sleep; vLLM/NIXL hard-code 0 (a busy core)
     restore_affinity: bool = True
-    idle_sleep_max_ms: float = 20.0  # back-off while the engine only holds retained blocks; 0 = off
+    # Longest idle wait while the engine only holds retained blocks (ends early when a request arrives;
+    # 0 = off). Longer than the worker's spin window, so an engine holding blocks sits nearly idle.
+    idle_sleep_max_ms: float = 1000.0
     cost_model: bool = True  # pull vs recompute from measured rates (static threshold as floor)
     # How long a worker spins on vLLM's shared-memory queue after each read before it sleeps (vLLM: 1 s).
-    # None keeps vLLM's value. Experimental: a short window saved ~0.7 cores on CPU but can stall a worker.
+    # None keeps vLLM's value; the launcher sets 0.1 s on CPU (see _queues.py).
     worker_busy_loop_s: float | None = None
+    # Longest zmq wait of a queue reader before it re-checks the buffer: bounds a lost notification.
+    queue_max_wait_ms: int = 50
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -59,6 +63,7 @@ class ConnectorSettings:
             restore_affinity=_bool(get("restore_affinity", cls.restore_affinity), "agentkv_restore_affinity"),
             idle_sleep_max_ms=float(get("idle_sleep_max_ms", cls.idle_sleep_max_ms)),
             cost_model=_bool(get("cost_model", cls.cost_model), "agentkv_cost_model"),
+            queue_max_wait_ms=int(get("queue_max_wait_ms", cls.queue_max_wait_ms)),
             worker_busy_loop_s=None
             if get("worker_busy_loop_s", None) in (None, "")
             else float(get("worker_busy_loop_s", None)),

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
+import sys
 import time
 import urllib.request
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import block_fingerprints, tail_fingerprint, verified_tokens
 from agentkv.server._connector._leases import LeaseTable
+from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import RetentionService
 from agentkv.server._connector._vllm import NixlPullConnectorScheduler
 
@@ -37,6 +40,33 @@ FINGERPRINTS = "agentkv_block_hashes"
 TAIL = "agentkv_tail_hash"
 SERVICE = "agentkv_service"
 RETAIN = "agentkv_retain"
+_BLIND_SLEEP_MAX_S = 0.02
+
+
+def _engine_input_queue() -> queue.Queue[Any] | Literal[False]:
+    """vLLM's engine-core input queue, found on the call stack (``EngineCoreProc.step`` calls the scheduler
+    that calls us); False where there is none (an engine run in-process, or another vLLM layout)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        q = getattr(owner, "input_queue", None)
+        if isinstance(q, queue.Queue):
+            return q
+        frame = frame.f_back  # type: ignore[assignment]
+    logger.info(
+        "agentkv: no engine input queue found; idle back-off capped at %.0f ms", _BLIND_SLEEP_MAX_S * 1e3
+    )
+    return False
+
+
+def _wait_for_input(q: queue.Queue[Any] | Literal[False], timeout: float) -> None:
+    """Sleep up to ``timeout``, returning early once a request is queued (without taking it)."""
+    if q is False:
+        time.sleep(timeout)
+        return
+    with q.not_empty:
+        if not q.queue:
+            q.not_empty.wait(timeout)
 
 
 class AgentKVScheduler(NixlPullConnectorScheduler):
@@ -62,9 +92,12 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
         )
         self.cost.bytes_per_token = _kv_bytes_per_token(kv_cache_config, self.block_size)
+        # The engine core reads its worker's answers through a queue reader too: bound its waits.
+        tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
         self._awaiting: set[str] = set()  # pulls in flight: never sleep while one is pending
         self._last_step: tuple[float, int] | None = None
         self._idle_sleep = 0.0
+        self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
             self.leases = LeaseTable(
                 lease_s=self.agentkv.lease_s, max_lease_s=self.agentkv.max_lease_s, clock=time.perf_counter
@@ -107,7 +140,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             params["_agentkv_checked"] = True
             self._check_offer(request, params, num_computed_tokens)
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if is_async and params and params.get("do_remote_decode"):
+        if is_async:
+            # Either direction (decode loading prefill's KV, prefill pulling decode's): the engine must keep
+            # stepping promptly until the load lands, so no idle wait while one is pending.
             self._awaiting.add(request.request_id)
         return count, is_async
 
@@ -230,19 +265,27 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self.cost.observe_transfer(stats.data)
 
     def _maybe_idle(self, scheduler_output: SchedulerOutput) -> None:
-        """Back off while nothing is scheduled and no pull is in flight.
+        """Back off while nothing is scheduled and no load is in flight.
 
         vLLM keeps stepping empty batches while a finished request's blocks are retained (hundreds of steps
-        a second, a whole core on a 2-core machine, starving the other server). The sleep grows from 0.5 ms
-        to ``idle_sleep_max_ms`` and resets as soon as work arrives; a request arriving meanwhile waits at
-        most one sleep.
+        a second), and every step wakes the worker, which then spins on its queue for a second: two busy
+        cores per engine for the whole retention time, on a 2-core machine enough to starve the other
+        engines' NIXL handshakes for minutes. The wait grows from 0.5 ms to ``idle_sleep_max_ms`` and ends
+        the moment a request reaches the engine's input queue, so a long wait costs a new turn nothing;
+        what waits is only the bookkeeping of retained blocks (a finished read or an expired lease is
+        noticed up to one wait later).
         """
         cap = self.agentkv.idle_sleep_max_ms / 1000.0
         if cap <= 0 or scheduler_output.total_num_scheduled_tokens > 0 or self._awaiting:
             self._idle_sleep = 0.0
             return
+        if self._input_queue is None:
+            self._input_queue = _engine_input_queue()
+        if self._input_queue is False:
+            # No queue to wake us: bounded like a plain sleep, because a request would wait it out.
+            cap = min(cap, _BLIND_SLEEP_MAX_S)
         self._idle_sleep = min(cap, max(0.0005, self._idle_sleep * 2))
-        time.sleep(self._idle_sleep)
+        _wait_for_input(self._input_queue, self._idle_sleep)
 
     def shutdown(self) -> None:
         if self.service is not None:

@@ -8,7 +8,6 @@ instance to the same "last core", so a decode that spins starves prefill's worke
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import sys
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from agentkv.server._connector._config import ConnectorSettings
+from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._vllm import NixlPullConnectorWorker
 
 if TYPE_CHECKING:
@@ -59,31 +59,6 @@ def progress_thread_delay(delay_us: int) -> Iterator[None]:
         bind.nixlAgentConfig = base
 
 
-def _shorten_worker_spin(busy_loop_s: float | None) -> None:
-    """Shorten how long this worker busy-waits on vLLM's shared-memory queue after each message.
-
-    vLLM spins ``sched_yield`` for 1 s after every read; while decode retains blocks the engine steps empty
-    batches every few ms, so the worker never stops spinning and burns a core for the whole retention
-    time. The reader's ``SpinCondition`` already exists when the connector is built (its RPCs arrive
-    through that queue); we only change its spin window. Older vLLM without it is left alone.
-    """
-    # Opt-in only: with a short window a reader can miss the queue's wake-up notification and wait until
-    # vLLM's execute timeout (seen with 4 engines on 2 loaded cores: a worker stalled > 60 s, the engine
-    # died). vLLM's 1 s window makes that race rare; keep it unless explicitly asked.
-    if busy_loop_s is None:
-        return
-    try:
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-    except ImportError:
-        return
-    found = 0
-    for obj in gc.get_objects():
-        if isinstance(obj, SpinCondition) and getattr(obj, "is_reader", False):
-            obj.busy_loop_s = busy_loop_s
-            found += 1
-    logger.info("agentkv set the worker's queue spin window to %.3fs (%d queue(s))", busy_loop_s, found)
-
-
 class AgentKVWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
@@ -92,7 +67,7 @@ class AgentKVWorker(NixlPullConnectorWorker):
         affinity: Any = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
         with progress_thread_delay(settings.progress_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
-        _shorten_worker_spin(settings.worker_busy_loop_s)
+        tune_queue_readers(busy_loop_s=settings.worker_busy_loop_s, max_wait_ms=settings.queue_max_wait_ms)
         if settings.restore_affinity and affinity is not None and os.sched_getaffinity(0) != affinity:
             # vLLM pinned this thread to the last core of each NUMA node, the same core for every instance.
             os.sched_setaffinity(0, affinity)
