@@ -90,6 +90,7 @@ class Turn:
     ids: list[int]
     text: str
     headers: dict[str, str] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None  # what decode answered with (pd_turn only)
 
 
 def chat(
@@ -190,6 +191,7 @@ def pd_turn(
     kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
     if retained:
         kv.update(retained)
+        kv.update(do_remote_decode=True, do_remote_prefill=False)  # decode's params say it decoded
     base = {"model": MODEL, "messages": messages, "temperature": 0}
     p = httpx.post(
         f"{prefill_url}/v1/chat/completions",
@@ -212,7 +214,11 @@ def pd_turn(
     )
     assert d.status_code == 200, d.text
     choice = d.json()["choices"][0]
-    return Turn(token_ids(choice), choice["message"]["content"] or ""), rid
+    return Turn(
+        token_ids(choice),
+        choice["message"]["content"] or "",
+        kv_transfer_params=d.json().get("kv_transfer_params"),
+    ), rid
 
 
 def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
@@ -238,12 +244,25 @@ def running(cfg: Any) -> Iterator[Any]:
 
 
 def warm_up(cluster: Any) -> None:
-    """One turn through every prefill/decode pair. The first NIXL handshake between two engines can take
-    tens of seconds on a loaded 2-core machine (a deployment warms up the same way); tests then measure the
-    steady state, with the router's normal timeouts."""
+    """Two turns through every prefill/decode pair: P -> D, then the D -> P pull of what decode retained.
+
+    The first NIXL handshake in each direction can take tens of seconds on a loaded 2-core machine (a
+    deployment warms up the same way); tests then measure the steady state with the router's normal timeouts,
+    and a stock engine's first pull does not outlive its fixed TTL.
+    """
+    first = [{"role": "user", "content": "warm up"}]
     for p in cluster.prefills:
         for d in cluster.decodes:
-            pd_turn(p.spec.url, d.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)
+            turn, rid = pd_turn(p.spec.url, d.spec.url, first, max_tokens=2)
+            service = d.spec.service_url
+            retained = (retained_params(service, rid) if service else None) or turn.kv_transfer_params
+            if retained and retained.get("remote_block_ids"):
+                again = [
+                    *first,
+                    {"role": "assistant", "content": turn.text},
+                    {"role": "user", "content": "again"},
+                ]
+                pd_turn(p.spec.url, d.spec.url, again, retained=retained, max_tokens=2)
 
 
 # Tests whose last change could not be re-run on the real engine before the session ended. They run with

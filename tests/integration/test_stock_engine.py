@@ -25,12 +25,11 @@ from ._helpers import (
     new_id,
     running,
     start_router,
-    unverified,
 )
 from .conftest import LOG_DIR
 from .test_reuse_correctness import run_case
 
-TTL_S = 20
+TTL_S = 45  # vLLM's fixed decode TTL here; a first D -> P pull on 2 stock engines can take 20 s
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +95,6 @@ def test_upstream_behaviour_changes_answers(upstream_router: RouterProc, stock_o
     assert differing
 
 
-@unverified
 def test_guarded_router_on_stock_engines_keeps_answers(
     stock_router: RouterProc, stock_off: RouterProc
 ) -> None:
