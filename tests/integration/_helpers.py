@@ -265,9 +265,12 @@ def warm_up(cluster: Any) -> None:
                 pd_turn(p.spec.url, d.spec.url, again, retained=retained, max_tokens=2)
 
 
-# Tests whose last change could not be re-run on the real engine before the session ended. They run with
-# AGENTKV_IT_UNVERIFIED=1 and are listed in the closing note; the next session verifies and ungates them.
+# KNOWN FAILING on this 2-core machine, so never counted as coverage: the 2P2D cluster of test_faults.py
+# (4 engines on 2 cores) deadlocks on its first prefill -> decode transfer in most runs: prefill's engine core
+# waits for its worker's answer while the worker waits for the next request (both reading their shared-memory
+# queues, py-spy traces in the closing note of session 2). Runs with AGENTKV_IT_UNVERIFIED=1.
 unverified = pytest.mark.skipif(
     os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
-    reason="not yet verified on the real engine after its last fix (run with AGENTKV_IT_UNVERIFIED=1)",
+    reason="KNOWN FAILING here: 4 vLLM engines on 2 cores deadlock on the first P->D transfer (run with "
+    "AGENTKV_IT_UNVERIFIED=1; see the closing note)",
 )

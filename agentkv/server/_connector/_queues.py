@@ -2,17 +2,18 @@
 
 Each process reads its queue through a ``SpinCondition``: it spins ``sched_yield`` for ``busy_loop_s``
 (1 s) after every message, then sleeps in a zmq poll until the writer's notification. Two things go wrong
-on a small CPU host, both seen on 2 cores with 4 engines:
+on a small CPU host:
 
 * while an engine only holds retained blocks it steps every few ms, so its worker spins all the time and
   the cores that other engines need for their NIXL handshakes are gone (handshakes took minutes);
-* the notification can be lost (reader in zmq poll, message in the buffer, the engine core logging "No
-  available shared memory broadcast block found in 60 seconds"): the reader then waits for its poll to
-  time out, up to vLLM's 60 s warning interval, while the request that was sent waits with it.
+* a reader sleeping in the poll waits for the writer's notification up to vLLM's 60 s warning interval, so
+  a notification that never arrives stalls the request that was sent for that long.
 
 We change two attributes of the reader objects that exist when our connector is built (its own RPCs arrive
 through them): a shorter spin window, and a bound on each poll, after which the reader looks at the buffer
 again. A lost notification then costs at most ``max_wait_ms``; an idle reader wakes that often (~µs each).
+(A different stall, seen with 4 engines on 2 cores, is not cured by this: prefill's engine core and its
+worker both waiting to read; see docs/architecture.md.)
 """
 
 from __future__ import annotations
