@@ -15,7 +15,7 @@ pip_install() {
     echo "$out" >&2
     return 1
   fi
-  echo "$out" | grep -v -e "setuptools" -e "dependency resolver does not currently" -e "WARNING: Location" \
+  echo "$out" | grep -v -e "setuptools" -e "dependency resolver does not currently" -e "WARNING: Location" -e "as the .root. user" \
     >&2 || true
 }
 pip_install -e '.[cpu,dev,bench,langchain]'

@@ -70,9 +70,13 @@ class TurnBook:
         if turn.path == "decode-local":
             details = usage.get("prompt_tokens_details")
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
-            turn.reused_tokens = (
-                cached if isinstance(cached, int) else (record.retained_tokens if record else 0)
-            )
+            if isinstance(cached, int):
+                turn.reused_tokens = cached
+            else:
+                # vLLM < 0.33 does not report it: what decode held, which can exceed the new prompt when the
+                # answer re-tokenizes shorter; an estimate, never more than the prompt.
+                held = record.retained_tokens if record else 0
+                turn.reused_tokens = min(held, turn.prompt_tokens) if turn.prompt_tokens else held
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)

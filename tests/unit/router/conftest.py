@@ -38,6 +38,8 @@ class FakeEngines:
         self.engine_id = {"d0.test": "D0-ENGINE", "d1.test": "D1-ENGINE"}
         self.reply: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {"content": "sure, done."}
         self.p_cached_tokens: int | None = None  # what P reports as prompt_tokens_details.cached_tokens
+        self.d_generated_tokens = 3  # D holds prompt + this (a long answer may re-tokenize shorter)
+        self.d_fingerprints = False  # True: D's params carry agentkv fingerprints (our connector)
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
         self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first chunk
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks
@@ -115,9 +117,11 @@ class FakeEngines:
             "remote_host": "10.9.9.2",
             "remote_port": 5601,
             "tp_size": 1,
-            "remote_num_tokens": prompt_tokens_of(body) + 3,
+            "remote_num_tokens": prompt_tokens_of(body) + self.d_generated_tokens,
             "remote_blocks_expiry_time": 12345.0,
         }
+        if self.d_fingerprints:
+            params["agentkv_block_hashes"] = ["h0"]  # as our connector on decode publishes them
         self.retained[rid] = params
         return params
 

@@ -358,10 +358,13 @@ async def test_engine_4xx_passes_through_sanitised_and_5xx_is_502(engines: FakeE
 
 
 async def test_decode_local_path_skips_prefill(engines: FakeEngines, make_client) -> None:
+    # Decode (with our connector) holds more than the next prompt: the reuse reported is capped by it.
+    engines.d_generated_tokens, engines.d_fingerprints = 10_000, True
     async with make_client(path_policy="always-local") as client:
         first = (await chat(client, USER1)).json()
         r = await chat(client, next_messages(USER1, first))
     assert r.headers["x-agentkv-path"] == "decode-local" and r.headers["x-agentkv-reuse"] == "local"
+    assert 0 < int(r.headers["x-agentkv-reused-tokens"]) <= r.json()["usage"]["prompt_tokens"]
     assert len(engines.completions("p")) == 1
     assert engines.completions("d0")[1]["kv_transfer_params"] == {"agentkv_retain": True}
     # The previous turn's blocks are superseded by this turn's: released, not left pinned.
