@@ -267,8 +267,8 @@ def warm_up(cluster: Any) -> None:
 
 # KNOWN FAILING on this 2-core machine, so never counted as coverage: the 2P2D cluster of test_faults.py
 # (4 engines on 2 cores) deadlocks on its first prefill -> decode transfer in most runs: prefill's engine core
-# waits for its worker's answer while the worker waits for the next request (both reading their shared-memory
-# queues, py-spy traces in the closing note of session 2). Runs with AGENTKV_IT_UNVERIFIED=1.
+# waits for its worker's answer while the worker waits for the next request, or has exited without a trace
+# (py-spy findings in the closing note of session 2). Runs with AGENTKV_IT_UNVERIFIED=1.
 unverified = pytest.mark.skipif(
     os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
     reason="KNOWN FAILING here: 4 vLLM engines on 2 cores deadlock on the first P->D transfer (run with "
