@@ -99,6 +99,13 @@ class ClusterConfig:
     def specs(self) -> list[tuple[str, EngineSpec]]:
         device = self.device or detect_device()
         ncpu = os.cpu_count() or 1
+        # One core per engine only when there are enough. Pinned, 2P2D on 2 cores put P0 and D0 on one core,
+        # where decode's busy stepping (awaiting P's KV) starved prefill's worker. Oversubscribed engines
+        # float over all cores with one OpenMP thread each.
+        pin = device == "cpu" and self.n_prefill + self.n_decode <= ncpu
+        float_env = (
+            {} if pin or device != "cpu" else {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        )
         common: dict[str, Any] = dict(
             model=self.model,
             host=self.host,
@@ -116,7 +123,7 @@ class ClusterConfig:
             tool_call_parser=self.tool_call_parser,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
-            env=dict(self.env),
+            env={**float_env, **self.env},
         )
         out = []
         for i in range(self.n_prefill):
@@ -130,7 +137,7 @@ class ClusterConfig:
                         side_channel_port=self.side_channel_port + i,
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.prefill_prefix_caching,
-                        cpu_core=i % ncpu if device == "cpu" else None,
+                        cpu_core=i % ncpu if pin else None,
                         log_path=self.log_dir / f"prefill{i}.log",
                         **common,
                     ),
@@ -147,7 +154,7 @@ class ClusterConfig:
                         side_channel_port=self.side_channel_port + 100 + i,
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.decode_prefix_caching,
-                        cpu_core=(self.n_prefill + i) % ncpu if device == "cpu" else None,
+                        cpu_core=(self.n_prefill + i) % ncpu if pin else None,
                         log_path=self.log_dir / f"decode{i}.log",
                         **common,
                     ),

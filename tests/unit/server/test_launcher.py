@@ -91,3 +91,16 @@ def test_cluster_config_file_without_model_takes_the_default_only_when_needed(tm
     # A model named by the caller wins, and the default (which may build a model) is never called.
     cfg = ClusterConfig.from_file(f, default_model=default, model="/mine")
     assert (cfg.model, cfg.tool_call_parser, calls) == ("/mine", None, [1])
+
+
+def test_cpu_engines_are_pinned_only_when_each_gets_its_own_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    pinned = ClusterConfig(model="/m", device="cpu").specs()
+    assert [s.cpu_core for _, s in pinned] == [0, 1]
+    assert all("VLLM_CPU_OMP_THREADS_BIND" not in s.env for _, s in pinned)
+    floating = ClusterConfig(model="/m", device="cpu", n_prefill=2, n_decode=2).specs()
+    assert [s.cpu_core for _, s in floating] == [None] * 4
+    assert all(s.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind" for _, s in floating)
+    # The user's own environment for the engines wins.
+    mine = ClusterConfig(model="/m", device="cpu", n_decode=3, env={"OMP_NUM_THREADS": "2"}).specs()
+    assert all(s.env["OMP_NUM_THREADS"] == "2" for _, s in mine)
