@@ -263,14 +263,3 @@ def warm_up(cluster: Any) -> None:
                     {"role": "user", "content": "again"},
                 ]
                 pd_turn(p.spec.url, d.spec.url, again, retained=retained, max_tokens=2)
-
-
-# KNOWN FAILING on this 2-core machine, so never counted as coverage: the 2P2D cluster of test_faults.py
-# (4 engines on 2 cores) deadlocks on its first prefill -> decode transfer in most runs: prefill's engine core
-# waits for its worker's answer while the worker waits for the next request, or has exited without a trace
-# (py-spy findings in the closing note of session 2). Runs with AGENTKV_IT_UNVERIFIED=1.
-unverified = pytest.mark.skipif(
-    os.environ.get("AGENTKV_IT_UNVERIFIED") != "1",
-    reason="KNOWN FAILING here: 4 vLLM engines on 2 cores deadlock on the first P->D transfer (run with "
-    "AGENTKV_IT_UNVERIFIED=1; see the closing note)",
-)

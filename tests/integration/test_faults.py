@@ -31,11 +31,9 @@ from ._helpers import (
     pd_turn,
     running,
     start_router,
-    unverified,
 )
 from .conftest import LOG_DIR
 
-pytestmark = unverified
 
 SHORT = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",
