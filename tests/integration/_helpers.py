@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from agentkv.server._launcher import kill_group, tail
 

@@ -34,7 +34,6 @@ from ._helpers import (
 )
 from .conftest import LOG_DIR
 
-
 SHORT = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",
     "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "90",  # a first P->D handshake on 2 busy cores can take 30 s
