@@ -12,8 +12,8 @@ on a small CPU host:
 We change two attributes of the reader objects that exist when our connector is built (its own RPCs arrive
 through them): a shorter spin window, and a bound on each poll, after which the reader looks at the buffer
 again. A lost notification then costs at most ``max_wait_ms``; an idle reader wakes that often (~µs each).
-(A different stall, seen with 4 engines on 2 cores, is not cured by this: prefill's engine core and its
-worker both waiting to read; see docs/architecture.md.)
+(The stall once seen with 4 engines on 2 cores came from two engines pinned to one core, not from the queue;
+see docs/architecture.md, "CPU placement".)
 """
 
 from __future__ import annotations
