@@ -103,9 +103,8 @@ class ClusterConfig:
         # where decode's busy stepping (awaiting P's KV) starved prefill's worker. Oversubscribed engines
         # float over all cores with one OpenMP thread each.
         pin = device == "cpu" and self.n_prefill + self.n_decode <= ncpu
-        float_env = (
-            {} if pin or device != "cpu" else {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        )
+        floats = device == "cpu" and not pin
+        float_env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"} if floats else {}
         common: dict[str, Any] = dict(
             model=self.model,
             host=self.host,

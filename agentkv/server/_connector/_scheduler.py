@@ -94,7 +94,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.cost.bytes_per_token = _kv_bytes_per_token(kv_cache_config, self.block_size)
         # The engine core reads its worker's answers through a queue reader too: bound its waits.
         tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
-        self._awaiting: set[str] = set()  # pulls in flight: never sleep while one is pending
+        self._awaiting: set[str] = set()  # KV loads in flight, either direction: never wait while one is
         self._last_step: tuple[float, int] | None = None
         self._idle_sleep = 0.0
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
