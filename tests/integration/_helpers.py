@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -49,9 +50,29 @@ class RouterProc:
         kill_group(self.proc.pid, timeout_s=10)
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(start: int) -> int:
+    """The first free port from ``start``, below the ephemeral range so nothing grabs it before we bind."""
+    for port in range(start, 32768):
+        if port_is_free(port):
+            return port
+    raise RuntimeError(f"no free port in {start}-32767")
+
+
 def start_router(
     *, port: int, prefill: list[str], decode: list[str], log: Path, args: list[str] = ()
 ) -> RouterProc:  # type: ignore[assignment]
+    if not port_is_free(port):
+        raise RuntimeError(f"port {port} is taken before the router started (another test run still up?)")
     argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port)]
     for p in prefill:
         argv += ["--prefill", p]

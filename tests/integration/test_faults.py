@@ -27,6 +27,7 @@ from ._helpers import (
     RouterProc,
     chat,
     conversation_script,
+    free_port,
     new_id,
     pd_turn,
     running,
@@ -41,10 +42,13 @@ SHORT = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# Every fixed port here sits below Linux's ephemeral range (32768-60999): a port in that range can be taken
+# at any moment by an engine's own listeners (vLLM's ZMQ sockets, UCX) or by an outgoing connection, which
+# once made a router fail to bind 38010 in CI.
+P_PORT, D_PORT, SIDE_PORT = 24100, 24200, 7600
+ROUTER_PORTS = (24000, 24001)
+OFF_PORT = 24010
+REDIS_PORT_FROM = 24050
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def redis_server() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is required (scripts/setup.sh installs it)")
-    port = _free_port()
+    port = free_port(REDIS_PORT_FROM)
     proc = _start_redis(binary, port)
     yield proc, port
     proc.terminate()
@@ -79,9 +83,9 @@ def cluster22(model_dir: Path) -> Iterator[Cluster]:
         model=str(model_dir),
         n_prefill=2,
         n_decode=2,
-        prefill_port=38100,
-        decode_port=38200,
-        side_channel_port=7600,
+        prefill_port=P_PORT,
+        decode_port=D_PORT,
+        side_channel_port=SIDE_PORT,
         router_port=None,
         prefill_prefix_caching=False,
         lease_s=60,
@@ -108,7 +112,7 @@ def _routers(cluster: Cluster, redis_port: int, port: int, name: str, *args: str
 
 @pytest.fixture(scope="module")
 def replicas(cluster22: Cluster, redis_server: tuple[Any, int]) -> Iterator[list[RouterProc]]:
-    rs = [_routers(cluster22, redis_server[1], 38000 + i, f"r{i}") for i in range(2)]
+    rs = [_routers(cluster22, redis_server[1], port, f"r{i}") for i, port in enumerate(ROUTER_PORTS)]
     yield rs
     for r in rs:
         r.stop()
@@ -117,7 +121,7 @@ def replicas(cluster22: Cluster, redis_server: tuple[Any, int]) -> Iterator[list
 @pytest.fixture(scope="module")
 def off22(cluster22: Cluster) -> Iterator[RouterProc]:
     r = start_router(
-        port=38010,
+        port=OFF_PORT,
         prefill=[e.spec.url for e in cluster22.prefills],
         decode=[e.spec.url for e in cluster22.decodes],
         log=LOG_DIR / "router-2p2d-off.log",
@@ -320,7 +324,7 @@ def _decode_of_stream(router: RouterProc, cid: str) -> str:
     """During a first turn the router has no record yet: find the decode engine that is generating."""
     del router, cid
     for name in ("d0", "d1"):
-        url = f"http://127.0.0.1:{38200 + int(name[1])}"
+        url = f"http://127.0.0.1:{D_PORT + int(name[1])}"
         m = httpx.get(f"{url}/metrics", timeout=5).text
         for line in m.splitlines():
             if line.startswith("vllm:num_requests_running") and not line.rstrip().endswith(" 0.0"):
