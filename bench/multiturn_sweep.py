@@ -5,7 +5,14 @@
 
 Two legs, each on its own freshly started 1P1D cluster: OFF (``bidirectional_kv_xfer`` false on both servers,
 router reuse off) and ON (true on both, reuse on). Prefill runs without prefix caching in both legs (the
-cache-eviction case the published benchmark emulates), so every reused token comes from decode.
+cache-eviction case the published benchmark emulates), so every reused token comes from decode. A third,
+optional leg ``floor`` measures what reuse can at best achieve: OFF with prefill's own prefix cache on, so
+turn N's prefill computes only what is new since turn N-1, over the same context, with no transfer (it
+computes up to one block more than ON, whose reuse also covers the last answer's partial block).
+
+Per turn, prefill's and decode's engine histograms split the time: engine queue (for a request with remote
+KV this is the wait for the transfer and the steps around it), engine prefill compute, and the rest of the
+router's prefill hop (HTTP, tokenization, detokenization).
 
 Shapes: ``published`` grows each conversation turn by turn to the given lengths (router path always P/D, so
 the pull is measured); ``agentic`` builds a context of each length, then sends a tool-result-sized suffix
@@ -20,12 +27,14 @@ Writes ``multiturn_sweep.json`` (+ PNGs when matplotlib is installed; ``--plot F
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import re
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +47,20 @@ NIXL = {
     "bytes": "vllm:nixl_bytes_transferred_sum",
     "descriptors": "vllm:nixl_num_descriptors_sum",
 }
+# Request-phase histograms, read on both engines (sums, in seconds).
+PHASES = {
+    "queue_s": "vllm:request_queue_time_seconds_sum",
+    "engine_prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "e2e_s": "vllm:e2e_request_latency_seconds_sum",
+    "ttft_s": "vllm:time_to_first_token_seconds_sum",
+}
 _SAMPLE = re.compile(r"^([a-zA-Z_:]+)(?:\{[^}]*\})? ([-+0-9.eE]+)$")
 
 
-def scrape(url: str) -> dict[str, float]:
-    out = dict.fromkeys(NIXL, 0.0)
-    names = {v: k for k, v in NIXL.items()}
+def scrape(url: str, metrics: dict[str, str] | None = None) -> dict[str, float]:
+    metrics = NIXL | PHASES if metrics is None else metrics
+    out = dict.fromkeys(metrics, 0.0)
+    names = {v: k for k, v in metrics.items()}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
         m = _SAMPLE.match(line)
         if m and m[1] in names:
@@ -120,8 +137,28 @@ def stream_turn(
     }
 
 
+def phase_split(p: dict[str, float], d: dict[str, float], prefill_ms: float) -> dict[str, float]:
+    """Where one turn's time went, from the engines' histogram deltas (ms)."""
+    ms = {k: round(v * 1e3, 2) for k, v in p.items() if k in PHASES}
+    return {
+        "p_queue_ms": ms["queue_s"],
+        "p_engine_prefill_ms": ms["engine_prefill_s"],
+        # The router's prefill hop minus the engine's own request time: HTTP, tokenization, rendering.
+        "p_api_ms": round(prefill_ms - ms["e2e_s"], 2) if prefill_ms == prefill_ms else float("nan"),
+        "d_queue_ms": round(d["queue_s"] * 1e3, 2),
+        "d_engine_ttft_ms": round(d["ttft_s"] * 1e3, 2),
+    }
+
+
 def run_leg(
-    args: argparse.Namespace, shape: str, leg: str, prefill_url: str, router: str, model: str
+    args: argparse.Namespace,
+    shape: str,
+    leg: str,
+    prefill_url: str,
+    router: str,
+    model: str,
+    decode_url: str | None = None,
+    on_turn: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -140,8 +177,10 @@ def run_leg(
                 add = max(16, target - have)
                 history.append({"role": "user", "content": words.text(add)})
                 before = scrape(prefill_url)
+                d_before = scrape(decode_url, PHASES) if decode_url else dict.fromkeys(PHASES, 0.0)
                 row = stream_turn(router, model, cid, history, args.output_tokens)
                 after = scrape(prefill_url)
+                d_after = scrape(decode_url, PHASES) if decode_url else dict.fromkeys(PHASES, 0.0)
                 history.append({"role": "assistant", "content": row.pop("text")})
                 have = (row["input_num_tokens"] or target) + args.output_tokens
                 xfer = {k: after[k] - before[k] for k in NIXL}
@@ -158,7 +197,15 @@ def run_leg(
                     descriptors=int(xfer["descriptors"]),
                     transfers=int(xfer["xfers"]),
                 )
+                on_turn()
                 row["compute_ms"] = round(row["prefill_ms"] - row["transfer_ms"], 2)
+                row.update(
+                    phase_split(
+                        {k: after[k] - before[k] for k in PHASES},
+                        {k: d_after[k] - d_before[k] for k in PHASES},
+                        row["prefill_ms"],
+                    )
+                )
                 rows.append(row)
                 print(
                     json.dumps(
@@ -171,6 +218,9 @@ def run_leg(
                                 "ttft_ms",
                                 "prefill_ms",
                                 "transfer_ms",
+                                "p_queue_ms",
+                                "p_engine_prefill_ms",
+                                "d_queue_ms",
                                 "reuse",
                                 "path",
                             )
@@ -190,7 +240,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         model=args.model,
         device=args.device,
         bidirectional=on,
-        prefill_prefix_caching=False,
+        prefill_prefix_caching=leg == "floor",
         router_port=None,
         max_model_len=args.max_model_len,
         lease_s=args.lease_s,
@@ -210,7 +260,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
 def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
     import subprocess
 
-    port = args.port_base + (1 if leg == "on" else 2)
+    port = args.port_base + {"on": 1, "off": 2}.get(leg, 3)
     policy = "always-pd" if shape == "published" else "auto"
     argv = [
         sys.executable,
@@ -226,7 +276,7 @@ def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -
         "--decode",
         cluster.decodes[0].spec.url,
     ]
-    if leg == "off":
+    if leg != "on":
         argv.append("--no-reuse")
     log = open(Path(args.log_dir) / f"router-{leg}-{shape}.log", "wb")  # noqa: SIM115 - lives as long as the router
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -249,7 +299,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
         if shape == "agentic" and label != "suffix":
             continue
         entry: dict[str, Any] = {"target_tokens": target, "label": label}
-        for leg in ("off", "on"):
+        for leg in ("off", "on", "floor"):
             rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
             if not rs:
                 continue
@@ -260,12 +310,19 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                 "compute_ms",
                 "input_num_tokens",
                 "reused_tokens",
+                "p_queue_ms",
+                "p_engine_prefill_ms",
+                "p_api_ms",
+                "d_queue_ms",
+                "d_engine_ttft_ms",
             ):
-                vals = [r[key] for r in rs if isinstance(r[key], int | float)]
+                vals = [r[key] for r in rs if isinstance(r.get(key), int | float)]
                 entry[f"{key}_{leg}"] = round(median(vals), 2) if vals else None
             entry[f"paths_{leg}"] = sorted({str(r["path"]) for r in rs})
         if entry.get("ttft_ms_off") and entry.get("ttft_ms_on"):
             entry["ttft_ratio_on_off"] = round(entry["ttft_ms_on"] / entry["ttft_ms_off"], 3)
+        if entry.get("prefill_ms_floor") and entry.get("prefill_ms_on"):
+            entry["prefill_ratio_on_floor"] = round(entry["prefill_ms_on"] / entry["prefill_ms_floor"], 3)
         out.append(entry)
     return out
 
@@ -283,7 +340,12 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             series={
                 "reuse OFF": (xs, [s.get("ttft_ms_off") or 0 for s in summary]),
                 "reuse ON": (xs, [s.get("ttft_ms_on") or 0 for s in summary]),
-            },
+            }
+            | (
+                {"floor (prefill cache warm)": (xs, [s.get("ttft_ms_floor") or 0 for s in summary])}
+                if any(s.get("ttft_ms_floor") for s in summary)
+                else {}
+            ),
             xlabel="prompt tokens",
             ylabel="TTFT ms (median)",
         )
@@ -299,6 +361,8 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.bar(
             i + 0.2, xfer, 0.4, bottom=comp, color="tab:orange", label="ON: KV transfer" if i == 0 else None
         )
+        if s.get("prefill_ms_floor"):
+            ax.hlines(s["prefill_ms_floor"], i, i + 0.4, colors="black", label="floor" if i == 0 else None)
     ax.set_xticks(range(len(summary)), [str(x) for x in xs])
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill ms (median)")
@@ -317,6 +381,9 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         "prefill off",
         "prefill on",
         "xfer on",
+        "P queue on",
+        "floor",
+        "on/floor",
         "reused",
         "paths on",
     ]
@@ -329,6 +396,9 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             s.get("prefill_ms_off"),
             s.get("prefill_ms_on"),
             s.get("transfer_ms_on"),
+            s.get("p_queue_ms_on"),
+            s.get("prefill_ms_floor"),
+            s.get("prefill_ratio_on_floor"),
             s.get("reused_tokens_on"),
             ",".join(s.get("paths_on") or []),
         ]
@@ -337,6 +407,24 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
     print_table(f"multi-turn sweep ({tag})", cols, rows)
     del bar_chart
     return paths
+
+
+def _turns(args: argparse.Namespace, shape: str) -> int:
+    n = len(args.lengths.split(","))
+    return args.conversations * (n if shape == "published" else 2 * n)
+
+
+@contextlib.contextmanager
+def _progress(description: str, total: int) -> Iterator[Callable[[], None]]:
+    """A progress bar on stderr; none where rich is missing (the GPU host may lack it)."""
+    try:
+        from bench._common import make_progress
+    except ImportError:
+        yield lambda: None
+        return
+    with make_progress() as progress:
+        task = progress.add_task(description, total=total)
+        yield lambda: progress.advance(task)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -350,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--lease-s", type=float, default=60)
-    ap.add_argument("--legs", default="off,on")
+    ap.add_argument("--legs", default="off,on", help="off, on, floor (OFF with prefill's prefix cache on)")
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag (repeat)")
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
     ap.add_argument("--port-base", type=int, default=21000)
@@ -358,6 +446,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--out", default=None, help="output dir (default bench/results/multiturn_sweep_<device>_<shape>)"
     )
+    ap.add_argument("--router", default=None, help="attach to this running router instead of starting legs")
+    ap.add_argument("--prefill-url", default=None, help="with --router: the prefill engine (for its metrics)")
+    ap.add_argument("--decode-url", default=None, help="with --router: the decode engine (for its metrics)")
     ap.add_argument("--plot", default=None, help="only re-plot this JSON")
     ap.add_argument("--merge", nargs="+", default=None, help="combine per-leg JSONs (same shape) into --out")
     args = ap.parse_args(argv)
@@ -392,14 +483,41 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     shapes = args.shape.split(",")
     rows: dict[str, list[dict[str, Any]]] = {shape: [] for shape in shapes}
-    for leg in args.legs.split(","):
+    if args.router:
+        # Attached to a cluster someone else started (bench/repro/serve.sh): one leg, one shape at a time.
+        if not (args.prefill_url and args.decode_url) or len(args.legs.split(",")) != 1:
+            ap.error("--router needs --prefill-url, --decode-url and exactly one --legs name")
+        model = httpx.get(f"{args.router}/v1/models", timeout=10).json()["data"][0]["id"]
+        for shape in shapes:
+            with _progress(f"{args.legs} {shape}", _turns(args, shape)) as advance:
+                rows[shape] += run_leg(
+                    args,
+                    shape,
+                    args.legs,
+                    args.prefill_url,
+                    args.router,
+                    model,
+                    decode_url=args.decode_url,
+                    on_turn=advance,
+                )
+    for leg in [] if args.router else args.legs.split(","):
         cluster = start_leg(args, leg)
         try:
             for shape in shapes:
                 proc, router = start_router(args, cluster, leg, shape)
                 try:
                     model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
-                    rows[shape] += run_leg(args, shape, leg, cluster.prefills[0].spec.url, router, model)
+                    with _progress(f"{leg} {shape}", _turns(args, shape)) as advance:
+                        rows[shape] += run_leg(
+                            args,
+                            shape,
+                            leg,
+                            cluster.prefills[0].spec.url,
+                            router,
+                            model,
+                            decode_url=cluster.decodes[0].spec.url,
+                            on_turn=advance,
+                        )
                     # Partial results survive a killed run (the GPU host gives each command 10 minutes).
                     partial = Path(args.out or ".") / f"partial_{shape}.json"
                     partial.parent.mkdir(parents=True, exist_ok=True)

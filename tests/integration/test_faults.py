@@ -236,6 +236,15 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
         os.killpg(engine.pid, signal.SIGCONT)
     t = chat(b.url, h, conversation_id=cid)
     assert t.ids == chat(off22.url, h).ids
+    _resumes(b, off22, cid, h, t)
+
+
+def _resumes(router: RouterProc, off: RouterProc, cid: str, h: list[dict[str, object]], last: Any) -> None:
+    """After a fault the conversation's next turn reuses decode KV again, with the same answer as OFF."""
+    h += [{"role": "assistant", "content": last.text}, {"role": "user", "content": "tool result: all good"}]
+    t = chat(router.url, h, conversation_id=cid)
+    assert t.headers.get("x-agentkv-reuse") == "hit", t.headers.get("x-agentkv-reuse")
+    assert t.ids == chat(off.url, h).ids
 
 
 def test_decode_killed_between_turns_then_restarted(
@@ -264,6 +273,7 @@ def test_decode_killed_between_turns_then_restarted(
     assert t.headers.get("x-agentkv-reuse") != "hit"
     assert t.ids == chat(off22.url, h2).ids
     assert _decode_of(b, c2) != target
+    _resumes(b, off22, c2, h2, t)  # on the surviving decode
     engine.start()
     engine.wait_healthy(timeout_s=600)
     for p in cluster22.prefills:  # the restarted engine's first NIXL handshakes (slow on 2 busy cores)
@@ -273,6 +283,7 @@ def test_decode_killed_between_turns_then_restarted(
     t1 = chat(b.url, h1, conversation_id=c1)  # stale params of the old engine must not be used
     assert t1.headers.get("x-agentkv-reuse") != "hit"
     assert t1.ids == chat(off22.url, h1).ids
+    _resumes(b, off22, c1, h1, t1)
 
 
 def test_prefill_down_other_prefill_serves(
@@ -282,7 +293,11 @@ def test_prefill_down_other_prefill_serves(
     cluster22.prefills[0].stop()
     for i in range(3):  # whichever prefill the router would pick, every turn is served
         h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(580 + i, 1)[0]}]
-        assert chat(b.url, h, conversation_id=new_id("pdown")).ids == chat(off22.url, h).ids
+        cid = new_id("pdown")
+        t = chat(b.url, h, conversation_id=cid)
+        assert t.ids == chat(off22.url, h).ids
+        if i == 0:
+            _resumes(b, off22, cid, h, t)  # the surviving prefill pulls decode's KV
 
 
 def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
@@ -315,9 +330,11 @@ def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
     assert time.monotonic() - t0 < 60
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])
-    # The conversation goes on (on the surviving decode) with a correct answer.
+    # The conversation goes on (on the surviving decode) with a correct answer, then reuses again.
     h += [{"role": "user", "content": "again"}]
-    assert chat(b.url, h, conversation_id=cid).ids == chat(off22.url, h).ids
+    t = chat(b.url, h, conversation_id=cid)
+    assert t.ids == chat(off22.url, h).ids
+    _resumes(b, off22, cid, h, t)
 
 
 def _decode_of_stream(router: RouterProc, cid: str) -> str:

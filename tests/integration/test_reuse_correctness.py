@@ -43,6 +43,16 @@ def router_unguarded(cluster: Cluster) -> Iterator[RouterProc]:
     r.stop()
 
 
+# Histories that stop extending what decode holds: without the router's guard, prefill's token-exact check
+# must catch each of them (a trimmed offer), or the unguarded run would compute with wrong KV.
+DIVERGING = {
+    "edited_earlier_user_message",
+    "assistant_text_shortened",
+    "conversation_id_reused",
+    "history_truncated_from_front",
+}
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_reuse_on_equals_off(
     case: Callable[..., None],
@@ -50,6 +60,7 @@ def test_reuse_on_equals_off(
     router: RouterProc,
     router_unguarded: RouterProc,
     router_off: RouterProc,
+    report: Callable[[str], None],
 ) -> None:
     ps = cluster.prefills[0].spec.service_url
     assert ps
@@ -57,23 +68,22 @@ def test_reuse_on_equals_off(
     off, _ = run_case(case, router_off.url, script)
     on, on_reuse = run_case(case, router.url, script)
     before = service_info(ps)["stats"]
+    trimmed0 = metric(ps, "agentkv_connector_tokens_trimmed_total")
     bare, bare_reuse = run_case(case, router_unguarded.url, script)
     after = service_info(ps)["stats"]
+    trimmed = metric(ps, "agentkv_connector_tokens_trimmed_total") - trimmed0
     assert on == off
     assert bare == off
     # The suite must exercise reuse, not just recompute everywhere.
     assert "hit" in on_reuse or case.__name__ == "conversation_id_reused"
     assert "hit" in bare_reuse
-    print(
-        case.__name__,
-        "guarded:",
-        on_reuse,
-        "unguarded:",
-        bare_reuse,
-        "pulled:",
-        after["tokens_pulled"] - before["tokens_pulled"],
-        "trimmed:",
-        after["tokens_trimmed"] - before["tokens_trimmed"],
+    # The connector's Prometheus counter and its JSON stats are one number.
+    assert trimmed == after["tokens_trimmed"] - before["tokens_trimmed"]
+    if case.__name__ in DIVERGING:
+        assert after["refused_mismatch"] > before["refused_mismatch"] and trimmed > 0
+    report(
+        f"{case.__name__}: guarded {on_reuse}, unguarded {bare_reuse}, unguarded pulled "
+        f"{after['tokens_pulled'] - before['tokens_pulled']} tokens, trimmed {trimmed:.0f}"
     )
 
 

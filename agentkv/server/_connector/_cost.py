@@ -29,12 +29,45 @@ class _Ewma:
         self.count += 1
 
 
+class _DecayedLine:
+    """``y = fixed + slope * x`` by exponentially weighted least squares (old points fade with ``decay``).
+
+    Posting a pull costs a fixed part (notification, handshake bookkeeping) plus a part per NIXL descriptor;
+    pulls of different sizes separate the two. With all points at one x the slope is unknown (0) and the
+    fit is their mean.
+    """
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self._w = self._x = self._y = self._xx = self._xy = 0.0
+        self.count = 0
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1
+        self._x = d * self._x + x
+        self._y = d * self._y + y
+        self._xx = d * self._xx + x * x
+        self._xy = d * self._xy + x * y
+        self.count += 1
+
+    def fit(self) -> tuple[float, float] | None:
+        if not self.count:
+            return None
+        mx, my = self._x / self._w, self._y / self._w
+        var = self._xx / self._w - mx * mx
+        slope = (self._xy / self._w - mx * my) / var if var > 1e-9 * max(1.0, mx * mx) else 0.0
+        slope = max(0.0, slope)  # more descriptors never post faster; noise must not say so
+        return max(0.0, my - slope * mx), slope
+
+
 class PullCostModel:
     def __init__(self, *, static_threshold: int, enabled: bool = True, alpha: float = 0.2) -> None:
         self.static_threshold = static_threshold
         self.enabled = enabled
         self.bytes_per_token: float | None = None
-        self._post_s = _Ewma(alpha)  # fixed part: posting descriptors, notification
+        self._post_s = _DecayedLine(decay=1 - alpha)  # post seconds vs descriptors
+        self._descriptors_per_byte = _Ewma(alpha)  # block size and layout (cross-layer blocks or not)
         self._bytes_per_s = _Ewma(alpha)
         self._prefill_s_per_token = _Ewma(alpha)
         self.last_estimate: dict[str, float] | None = None
@@ -44,8 +77,12 @@ class PullCostModel:
         durations = data.get("transfer_duration") or ()
         posts = data.get("post_duration") or ()
         sizes = data.get("bytes_transferred") or ()
-        for duration, post, size in zip(durations, posts, sizes, strict=False):
-            self._post_s.add(float(post))
+        descriptors = data.get("num_descriptors") or ()
+        for i, (duration, post, size) in enumerate(zip(durations, posts, sizes, strict=False)):
+            n_desc = float(descriptors[i]) if i < len(descriptors) else 0.0
+            self._post_s.add(n_desc, float(post))
+            if size and n_desc:
+                self._descriptors_per_byte.add(n_desc / float(size))
             moving = float(duration) - float(post)
             if moving > 0 and size:
                 self._bytes_per_s.add(float(size) / moving)
@@ -64,11 +101,21 @@ class PullCostModel:
         )
         if not ready:
             return None
-        assert self._bytes_per_s.value and self._post_s.value is not None and self.bytes_per_token
+        line = self._post_s.fit()
+        assert self._bytes_per_s.value and line is not None and self.bytes_per_token
         assert self._prefill_s_per_token.value is not None
-        pull_s = self._post_s.value + pull_tokens * self.bytes_per_token / self._bytes_per_s.value
+        fixed_s, per_descriptor_s = line
+        pull_bytes = pull_tokens * self.bytes_per_token
+        descriptors = pull_bytes * (self._descriptors_per_byte.value or 0.0)
+        post_s = fixed_s + per_descriptor_s * descriptors
+        pull_s = post_s + pull_bytes / self._bytes_per_s.value
         recompute_s = pull_tokens * self._prefill_s_per_token.value
-        return {"pull_ms": round(pull_s * 1e3, 3), "recompute_ms": round(recompute_s * 1e3, 3)}
+        return {
+            "pull_ms": round(pull_s * 1e3, 3),
+            "post_ms": round(post_s * 1e3, 3),
+            "descriptors": round(descriptors),
+            "recompute_ms": round(recompute_s * 1e3, 3),
+        }
 
     def should_pull(self, *, pull_tokens: int, new_tokens: int, context: int) -> bool:
         """``new_tokens``/``context`` are kept for logging and future context-aware rates."""
@@ -86,7 +133,8 @@ class PullCostModel:
     def snapshot(self) -> dict[str, Any]:
         return {
             "enabled": self.enabled,
-            "post_ms": None if self._post_s.value is None else round(self._post_s.value * 1e3, 3),
+            "post_fixed_ms": None if (line := self._post_s.fit()) is None else round(line[0] * 1e3, 3),
+            "post_us_per_descriptor": None if line is None else round(line[1] * 1e6, 4),
             "gb_per_s": None if self._bytes_per_s.value is None else round(self._bytes_per_s.value / 1e9, 3),
             "prefill_us_per_token": None
             if self._prefill_s_per_token.value is None

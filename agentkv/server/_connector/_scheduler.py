@@ -86,6 +86,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "refused_mismatch": 0,
             "refused_unverified": 0,
             "refused_released": 0,
+            "tokens_refused": 0,
             "retained": 0,
         }
         self.cost = PullCostModel(
@@ -179,6 +180,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
         self.stats["pulls" if pull else "recomputes"] += 1
         self.stats["tokens_pulled"] += max(0, allowed - num_computed)
+        self.stats["tokens_refused"] += offered - allowed
         logger.info(
             "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
             "estimate=%s",

@@ -17,11 +17,44 @@ from urllib.parse import unquote
 
 from agentkv.server._connector._leases import LeaseTable
 
-__all__ = ["RetentionService"]
+__all__ = ["RetentionService", "render_metrics"]
 
 logger = logging.getLogger("agentkv.connector")
 _PREFIX = "/agentkv/v1/"
 _MAX_BODY = 4096
+
+# Counters of the connector's decisions (``AgentKVScheduler.stats``), as Prometheus exposes them. vLLM's own
+# /metrics lives in the API-server process; these live in the engine-core process, so this service serves
+# them on its own /metrics.
+_COUNTERS = {
+    "pulls": "turns whose offered blocks were pulled from decode",
+    "recomputes": "turns offered blocks that recomputed instead (cost, mismatch, released or expired)",
+    "tokens_offered": "prompt tokens decode offered to prefill",
+    "tokens_pulled": "prompt tokens pulled from decode instead of computed",
+    "tokens_trimmed": "offered tokens refused because their fingerprints did not match this prompt",
+    "tokens_refused": "offered tokens not pulled for any reason",
+    "refused_mismatch": "offers trimmed by the token-exact prefix check",
+    "refused_unverified": "offers refused for lack of fingerprints (agentkv_require_fingerprints)",
+    "refused_released": "offers whose lease was released or expired before the read",
+    "retained": "finished requests whose blocks decode retained",
+}
+
+
+def render_metrics(info: dict[str, Any], retained_now: int) -> str:
+    """Prometheus text exposition of the connector's counters, labelled with the engine's role."""
+    role = info.get("role", "unknown")
+    stats = info.get("stats") or {}
+    lines = []
+    for key, doc in _COUNTERS.items():
+        name = f"agentkv_connector_{key}_total"
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+        lines.append(f'{name}{{role="{role}"}} {float(stats.get(key, 0))}')
+    lines += [
+        "# HELP agentkv_connector_retained_requests requests whose blocks decode holds now",
+        "# TYPE agentkv_connector_retained_requests gauge",
+        f'agentkv_connector_retained_requests{{role="{role}"}} {float(retained_now)}',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 class RetentionService:
@@ -76,6 +109,15 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def _dispatch(self, method: str) -> None:
+        if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
+            svc = self.service
+            text = render_metrics(svc._info(), len(svc.table)).encode()
+            self.send_response(200)
+            self.send_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
+            self.send_header("content-length", str(len(text)))
+            self.end_headers()
+            self.wfile.write(text)
+            return
         body: dict[str, Any] = {}
         length = int(self.headers.get("content-length") or 0)
         if length > _MAX_BODY:

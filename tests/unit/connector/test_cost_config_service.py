@@ -1,9 +1,9 @@
 import pytest
 
 from agentkv.server._connector._config import ConnectorSettings
-from agentkv.server._connector._cost import PullCostModel
+from agentkv.server._connector._cost import PullCostModel, _DecayedLine
 from agentkv.server._connector._leases import LeaseTable
-from agentkv.server._connector._service import RetentionService
+from agentkv.server._connector._service import RetentionService, render_metrics
 
 
 def test_static_threshold_is_a_floor_and_model_defers_until_it_has_data() -> None:
@@ -23,7 +23,7 @@ def test_learned_rates_decide_pull_vs_recompute() -> None:
         )
         m.observe_step(tokens=1000, seconds=0.01)
     assert m.should_pull(pull_tokens=1000, new_tokens=0, context=1000) is False  # 21 ms pull > 10 ms compute
-    assert m.last_estimate == {"pull_ms": 21.0, "recompute_ms": 10.0}
+    assert m.last_estimate == {"pull_ms": 21.0, "post_ms": 20.0, "descriptors": 0, "recompute_ms": 10.0}
     assert m.should_pull(pull_tokens=10_000, new_tokens=0, context=10_000) is True  # 30 ms < 100 ms
     m.enabled = False
     assert m.should_pull(pull_tokens=1000, new_tokens=0, context=1000) is True
@@ -53,3 +53,71 @@ def test_service_routes() -> None:
     assert svc.handle("DELETE", "/agentkv/v1/leases/x", {}) == (200, {"released": True})
     assert svc.handle("GET", "/agentkv/v1/retained/x", {})[0] == 404
     assert svc.handle("GET", "/elsewhere", {})[0] == 404
+
+
+def test_line_separates_fixed_post_cost_from_per_descriptor_cost() -> None:
+    line = _DecayedLine(decay=0.9)
+    assert line.fit() is None
+    for n in (100, 5000, 20_000, 300):
+        line.add(n, 0.002 + 5e-6 * n)  # 2 ms fixed + 5 us per descriptor
+    fixed, slope = line.fit()  # type: ignore[misc]
+    assert abs(fixed - 0.002) < 1e-9 and abs(slope - 5e-6) < 1e-12
+    flat = _DecayedLine(decay=0.9)
+    for _ in range(3):
+        flat.add(64, 0.004)
+    assert flat.fit() == (0.004, 0.0)  # one size only: no slope to learn, the mean is the cost
+
+
+def _learned(descriptors_per_mb: int) -> PullCostModel:
+    m = PullCostModel(static_threshold=0)
+    m.bytes_per_token = 100_000.0  # 100 kB of KV per token (an 8B-class model)
+    for mb in (10, 100, 400):
+        n = descriptors_per_mb * mb
+        m.observe_transfer(
+            {
+                "transfer_duration": [0.001 + 5e-6 * n + mb / 100_000],  # 100 GB/s
+                "post_duration": [0.001 + 5e-6 * n],
+                "bytes_transferred": [mb * 1_000_000],
+                "num_descriptors": [n],
+            }
+        )
+        m.observe_step(tokens=2048, seconds=2048 * 20e-6)  # 20 us per token
+    return m
+
+
+def test_descriptor_count_decides_pull_vs_recompute() -> None:
+    # 4,000 tokens = 400 MB. Per-layer blocks (~85 descriptors/MB, the GPU defaults' ~20k for a 24k pull)
+    # post for ~170 ms, more than recomputing (80 ms); cross-layer blocks (~0.4/MB) post for ~2 ms.
+    per_layer, cross_layer = _learned(85), _learned(0)
+    assert per_layer.should_pull(pull_tokens=4000, new_tokens=0, context=4000) is False
+    est = per_layer.last_estimate
+    assert est is not None and est["descriptors"] == 34_000 and est["post_ms"] > est["recompute_ms"]
+    assert cross_layer.should_pull(pull_tokens=4000, new_tokens=0, context=4000) is True
+    snap = per_layer.snapshot()
+    assert snap["post_fixed_ms"] == 1.0 and snap["post_us_per_descriptor"] == 5.0
+
+
+def test_connector_counters_render_as_prometheus_text() -> None:
+    text = render_metrics({"role": "prefill", "stats": {"tokens_trimmed": 128, "pulls": 3}}, retained_now=2)
+    assert 'agentkv_connector_tokens_trimmed_total{role="prefill"} 128.0' in text
+    assert 'agentkv_connector_pulls_total{role="prefill"} 3.0' in text
+    assert 'agentkv_connector_recomputes_total{role="prefill"} 0.0' in text
+    assert 'agentkv_connector_retained_requests{role="prefill"} 2.0' in text
+    assert "# TYPE agentkv_connector_tokens_refused_total counter" in text
+
+
+def test_service_serves_metrics_over_http() -> None:
+    import httpx
+
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
+    svc = RetentionService(
+        table=t, host="127.0.0.1", port=0, info=lambda: {"role": "decode", "stats": {"retained": 4}}
+    )
+    svc.start()
+    try:
+        r = httpx.get(f"http://127.0.0.1:{svc.port}/metrics", timeout=5)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        assert 'agentkv_connector_retained_total{role="decode"} 4.0' in r.text
+        assert httpx.get(f"http://127.0.0.1:{svc.port}/agentkv/v1/info", timeout=5).json()["retained"] == 0
+    finally:
+        svc.stop()

@@ -1,0 +1,50 @@
+"""The multi-turn sweep's pure parts: per-turn phase split and the OFF / ON / floor summary."""
+
+from __future__ import annotations
+
+import math
+
+from bench.multiturn_sweep import PHASES, phase_split, summarize
+
+
+def _row(leg: str, ttft: float, prefill: float, label: str = "turn2") -> dict[str, object]:
+    return {
+        "leg": leg,
+        "label": label,
+        "target_tokens": 8192,
+        "ttft_ms": ttft,
+        "prefill_ms": prefill,
+        "transfer_ms": 2.0 if leg == "on" else 0.0,
+        "compute_ms": prefill - (2.0 if leg == "on" else 0.0),
+        "input_num_tokens": 8166,
+        "reused_tokens": 2116 if leg == "on" else 0,
+        "path": "pull" if leg == "on" else "recompute",
+    }
+
+
+def test_phase_split_takes_the_engine_time_out_of_the_router_hop() -> None:
+    p = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.030, "engine_prefill_s": 0.200, "e2e_s": 0.240}
+    d = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.015, "ttft_s": 0.050}
+    split = phase_split(p, d, prefill_ms=260.0)
+    assert split == {
+        "p_queue_ms": 30.0,
+        "p_engine_prefill_ms": 200.0,
+        "p_api_ms": 20.0,
+        "d_queue_ms": 15.0,
+        "d_engine_ttft_ms": 50.0,
+    }
+    assert math.isnan(phase_split(p, d, prefill_ms=float("nan"))["p_api_ms"])
+
+
+def test_summary_reports_ratios_against_off_and_against_the_floor() -> None:
+    rows = [_row("off", 400, 260), _row("off", 420, 262), _row("on", 200, 150), _row("floor", 190, 120)]
+    [entry] = summarize(rows, "published")
+    assert entry["ttft_ms_off"] == 410 and entry["ttft_ms_on"] == 200
+    assert entry["ttft_ratio_on_off"] == round(200 / 410, 3)
+    assert entry["prefill_ratio_on_floor"] == round(150 / 120, 3)
+    assert entry["paths_on"] == ["pull"] and entry["paths_floor"] == ["recompute"]
+
+
+def test_agentic_summary_keeps_only_the_suffix_turns() -> None:
+    rows = [_row("off", 400, 260, "context"), _row("off", 100, 60, "suffix"), _row("on", 30, 0, "suffix")]
+    assert [e["label"] for e in summarize(rows, "agentic")] == ["suffix"]
