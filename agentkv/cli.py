@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
 
@@ -27,7 +28,8 @@ DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
 
 
 def _fail(exc: AgentKVError) -> None:
-    console.print(f"[bold red]error:[/] {exc}")
+    # Escaped: a message quotes paths and values, and rich would read "[...]" in them as markup.
+    console.print(f"[bold red]error:[/] {escape(str(exc))}")
     raise typer.Exit(1)
 
 
@@ -215,8 +217,6 @@ def router(
     session_header: Annotated[str | None, typer.Option(help="Conversation id header.")] = None,
 ) -> None:
     """Run the KV-cache-aware router (also configurable by AGENTKV_* env vars)."""
-    from pydantic import ValidationError
-
     from agentkv.server.router import RouterSettings, run_router
 
     overrides: dict[str, Any] = {
@@ -232,13 +232,20 @@ def router(
         "prefix_guard": prefix_guard,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
+    if not config:
+        # build() reports the messages only: pydantic's own text would echo input values, and those include
+        # AGENTKV_API_KEYS from the environment.
+        try:
+            settings = RouterSettings.build(**overrides)
+        except AgentKVError as exc:
+            console.print(f"[bold red]error:[/] {escape(str(exc))}")
+            raise typer.Exit(2) from None
+        run_router(settings)
+        return
     try:
-        settings = RouterSettings.from_file(config, **overrides) if config else RouterSettings(**overrides)
+        settings = RouterSettings.from_file(config, **overrides)
     except AgentKVError as exc:
         _fail(exc)
-    except ValidationError as exc:
-        console.print(f"[bold red]invalid router settings:[/]\n{exc}")
-        raise typer.Exit(2) from None
     run_router(settings)
 
 

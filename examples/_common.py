@@ -1,8 +1,11 @@
-"""Shared command-line flags for the examples."""
+"""Shared command-line flags and per-turn output for the examples."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+
+from agentkv.session import TurnStats
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000/v1"
 
@@ -19,7 +22,14 @@ def parser(description: str) -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help='send tool_choice="required" on the first N steps of each turn (random-weight test '
-        'models never call tools by themselves), then tool_choice="none" so each turn answers',
+        help='send tool_choice="required" (one call per step) on the first N steps of each turn '
+        '(random-weight test models never call tools by themselves), then tool_choice="none" so each '
+        "turn answers; the tool examples only",
     )
     return p
+
+
+def router_line(calls: Sequence[TurnStats]) -> str:
+    """One agent turn's model calls as the router saw them: reuse verdict, path, reused tokens."""
+    parts = [f"{t.reuse} ({t.path or '-'}, {t.reused_tokens or 0} reused tok)" for t in calls]
+    return "  router: " + (" -> ".join(parts) or "no calls")

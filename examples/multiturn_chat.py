@@ -5,7 +5,7 @@ python examples/multiturn_chat.py --base-url http://127.0.0.1:8000/v1 --turns 4
 
 from __future__ import annotations
 
-from _common import parser
+from _common import parser, router_line
 
 from agentkv.client import first_model
 from agentkv.session import Session
@@ -24,10 +24,11 @@ def main() -> None:
     with Session(base_url=args.base_url, model=model, api_key=args.api_key, system="Be brief.") as session:
         for turn in range(args.turns):
             prompt = PROMPTS[turn % len(PROMPTS)]
-            print(f"\n> {prompt}")
+            print(f"\nturn {turn + 1}: > {prompt}")
             for delta in session.stream(prompt, max_tokens=args.max_tokens):
                 print(delta.content or "", end="", flush=True)
             print()
+            print(router_line(session.turns[-1:]))
         print(session.summary())
 
 

@@ -5,7 +5,7 @@ python examples/research_agent.py --base-url http://127.0.0.1:8000/v1 --turns 3 
 
 from __future__ import annotations
 
-from _common import parser
+from _common import parser, router_line
 
 from agentkv.session import RunResult, run_research_agent
 
@@ -17,6 +17,7 @@ def main() -> None:
         tools = ", ".join(m["content"][:40] for m in result.tool_messages) or "no tools"
         print(f"turn {turn}: {result.steps} step(s), {result.stop_reason}; tools -> {tools}")
         print(f"  answer: {(result.content or '')[:200]!r}")
+        print(router_line(result.turns))
 
     run = run_research_agent(
         args.base_url,

@@ -153,6 +153,9 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     argv += ["--served-model-name", spec.served_model_name or Path(spec.model).name]
     argv += ["--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching"]
     argv += ["--disable-uvicorn-access-log", "--seed", "0"]
+    # usage.prompt_tokens_details.cached_tokens (local + external KV): how the router learns how many tokens a
+    # turn really reused instead of estimating it from what decode offered (P may trim or decline a pull).
+    argv.append("--enable-prompt-tokens-details")
     argv += _graph_args(spec)
     block_size = spec.block_size or (64 if spec.device == "gpu" else None)  # GPU: fewer, larger descriptors
     if block_size:
@@ -290,6 +293,31 @@ class Engine:
         self.proc.wait(timeout=5)
 
 
+def _group_running(pgid: int) -> bool:
+    """Whether any member of the process group is still running.
+
+    ``killpg(pgid, 0)`` also succeeds while the only members left have exited but are not yet reaped (our
+    own Popen child is reaped only when its owner waits), so a server that stopped at once would cost the
+    whole timeout. On Linux /proc says which members are zombies; elsewhere killpg is the answer.
+    """
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or unreadable
+        # After "pid (comm)": state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
 def kill_group(pid: int, *, timeout_s: float = 20) -> None:
     """SIGTERM the process group, SIGKILL what is left after ``timeout_s``."""
     try:
@@ -298,10 +326,8 @@ def kill_group(pid: int, *, timeout_s: float = 20) -> None:
         return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
+        if not _group_running(pid):
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -170,3 +171,41 @@ def test_bad_input_gets_openai_error_and_changes_nothing(
     assert {"message", "type", "param", "code"} <= set(err)
     assert metric(router.url, "agentkv_conversations") == tracked
     assert metric(router.url, "agentkv_turns_total") == turns
+
+
+def _complete(url: str, prompt: str, *, cid: str | None, stream: bool) -> tuple[str, str]:
+    """One greedy /v1/completions turn through a router; (text, x-agentkv-reuse)."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "stream": stream}
+    headers = {"x-session-id": cid} if cid else {}
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+        assert r.status_code == 200, r.text
+        assert "kv_transfer_params" not in r.text
+        return r.json()["choices"][0]["text"], r.headers.get("x-agentkv-reuse", "")
+    text = ""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                assert "kv_transfer_params" not in line
+                text += "".join(c.get("text") or "" for c in json.loads(line[6:]).get("choices", []))
+        return text, r.headers.get("x-agentkv-reuse", "")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_completions_endpoint_reuses_decode_kv_with_the_same_answers(
+    router: RouterProc, router_off: RouterProc, stream: bool
+) -> None:
+    """Legacy /v1/completions through the router: P then D, reuse on later turns, the same text as OFF."""
+    script = conversation_script(40 + int(stream), 3)
+    cid = new_id("cmpl")
+    prompt, on, off, reuse = "", [], [], []
+    for msg in script:
+        prompt += msg + "\n"
+        text, verdict = _complete(router.url, prompt, cid=cid, stream=stream)
+        on.append(text)
+        off.append(_complete(router_off.url, prompt, cid=None, stream=stream)[0])
+        reuse.append(verdict)
+        prompt += text + "\n"
+    assert on == off and all(on)
+    assert reuse[0] == "miss" and "hit" in reuse[1:], reuse

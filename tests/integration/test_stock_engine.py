@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -17,7 +17,7 @@ import pytest
 
 from agentkv.server._cluster import Cluster, ClusterConfig
 
-from ._cases import assistant_text_shortened, conversation_id_reused, edited_earlier_user_message
+from ._cases import assistant_text_shortened, edited_earlier_user_message
 from ._helpers import (
     RouterProc,
     chat,
@@ -81,17 +81,24 @@ def stock_off(stock: Cluster) -> Iterator[RouterProc]:
     yield from _router(stock, 28002, "off", "--no-reuse")
 
 
-def test_upstream_behaviour_changes_answers(upstream_router: RouterProc, stock_off: RouterProc) -> None:
-    """Without any prefix check some agent history shape gets different tokens: the suite can fail."""
+def test_upstream_behaviour_changes_answers(
+    upstream_router: RouterProc, stock_off: RouterProc, report: Callable[[str], None]
+) -> None:
+    """Without any prefix check some agent history shape gets different tokens: the suite can fail.
+
+    Not the reused-id case here: offering stock vLLM a retained sequence longer than the new prompt (511
+    tokens for a 182-token prompt) once hung its decode for over 60 s (2026-12-01), which took the rest of
+    this module down with it. Our connector trims such offers (test_reuse_correctness runs that case).
+    """
     differing = []
-    for i, case in enumerate([assistant_text_shortened, edited_earlier_user_message, conversation_id_reused]):
+    for i, case in enumerate([assistant_text_shortened, edited_earlier_user_message]):
         script = conversation_script(300 + i, 3)
         off, _ = run_case(case, stock_off.url, script)
         on, reuse = run_case(case, upstream_router.url, script)
         assert "hit" in reuse
         if on != off:
             differing.append(case.__name__)
-    print("upstream changed answers in:", differing)
+    report(f"stock vLLM without any prefix check changed greedy answers in: {differing}")
     assert differing
 
 

@@ -69,7 +69,9 @@ class PullCostModel:
         self._post_s = _DecayedLine(decay=1 - alpha)  # post seconds vs descriptors
         self._descriptors_per_byte = _Ewma(alpha)  # block size and layout (cross-layer blocks or not)
         self._bytes_per_s = _Ewma(alpha)
-        self._prefill_s_per_token = _Ewma(alpha)
+        # Prefill seconds per token as a line in the context the tokens attend over: attention makes a token
+        # at position 20k dearer than one at 2k, so recomputing the first n tokens costs the rate at n/2.
+        self._prefill_s_per_token = _DecayedLine(decay=1 - alpha)
         self.last_estimate: dict[str, float] | None = None
 
     # --- learning ----------------------------------------------------------------------------------------
@@ -87,9 +89,14 @@ class PullCostModel:
             if moving > 0 and size:
                 self._bytes_per_s.add(float(size) / moving)
 
-    def observe_step(self, *, tokens: int, seconds: float) -> None:
+    def observe_step(self, *, tokens: int, seconds: float, context: float = 0.0) -> None:
+        """One engine step: ``tokens`` computed in ``seconds``, at mean position ``context``."""
         if tokens >= _MIN_STEP_TOKENS and seconds > 0:
-            self._prefill_s_per_token.add(seconds / tokens)
+            self._prefill_s_per_token.add(context, seconds / tokens)
+
+    def prefill_s_per_token(self, context: float) -> float | None:
+        line = self._prefill_s_per_token.fit()
+        return None if line is None else line[0] + line[1] * context
 
     # --- deciding ----------------------------------------------------------------------------------------
     def estimate(self, pull_tokens: int) -> dict[str, float] | None:
@@ -102,14 +109,14 @@ class PullCostModel:
         if not ready:
             return None
         line = self._post_s.fit()
-        assert self._bytes_per_s.value and line is not None and self.bytes_per_token
-        assert self._prefill_s_per_token.value is not None
+        rate = self.prefill_s_per_token(pull_tokens / 2)  # the pulled tokens are positions 0..pull_tokens
+        assert self._bytes_per_s.value and line is not None and self.bytes_per_token and rate is not None
         fixed_s, per_descriptor_s = line
         pull_bytes = pull_tokens * self.bytes_per_token
         descriptors = pull_bytes * (self._descriptors_per_byte.value or 0.0)
         post_s = fixed_s + per_descriptor_s * descriptors
         pull_s = post_s + pull_bytes / self._bytes_per_s.value
-        recompute_s = pull_tokens * self._prefill_s_per_token.value
+        recompute_s = pull_tokens * rate
         return {
             "pull_ms": round(pull_s * 1e3, 3),
             "post_ms": round(post_s * 1e3, 3),
@@ -118,7 +125,10 @@ class PullCostModel:
         }
 
     def should_pull(self, *, pull_tokens: int, new_tokens: int, context: int) -> bool:
-        """``new_tokens``/``context`` are kept for logging and future context-aware rates."""
+        """Pull the first ``pull_tokens`` of a ``context``-token prompt with ``new_tokens`` left to compute?
+
+        The new tokens are computed either way, so only the pulled span's costs are compared.
+        """
         self.last_estimate = None
         if self.static_threshold > 0 and pull_tokens < self.static_threshold:
             return False
@@ -137,7 +147,8 @@ class PullCostModel:
             "post_us_per_descriptor": None if line is None else round(line[1] * 1e6, 4),
             "gb_per_s": None if self._bytes_per_s.value is None else round(self._bytes_per_s.value / 1e9, 3),
             "prefill_us_per_token": None
-            if self._prefill_s_per_token.value is None
-            else round(self._prefill_s_per_token.value * 1e6, 3),
+            if (rate := self._prefill_s_per_token.fit()) is None
+            else round(rate[0] * 1e6, 3),
+            "prefill_us_per_token_per_1k_context": None if rate is None else round(rate[1] * 1e9, 4),
             "observations": {"transfers": self._post_s.count, "steps": self._prefill_s_per_token.count},
         }

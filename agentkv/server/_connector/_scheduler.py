@@ -96,7 +96,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         # The engine core reads its worker's answers through a queue reader too: bound its waits.
         tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
         self._awaiting: set[str] = set()  # KV loads in flight, either direction: never wait while one is
-        self._last_step: tuple[float, int] | None = None
+        self._last_step: tuple[float, int, float] | None = None
         self._idle_sleep = 0.0
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
@@ -151,22 +151,25 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         offered = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
         self.stats["tokens_offered"] += offered
         verified = offered
+        refused = ""  # why the offer was cut, for the log line
         theirs = params.get(FINGERPRINTS)
         if self.agentkv.prefix_check and not self._still_held(params):
-            verified = 0
+            verified, refused = 0, "released"
             self.stats["refused_released"] += 1
         elif self.agentkv.prefix_check:
             if theirs is None:
                 if self.agentkv.require_fingerprints:
-                    verified = 0
+                    verified, refused = 0, "unverified"
                     self.stats["refused_unverified"] += 1
             else:
                 prompt = request.prompt_token_ids or []
                 verified = verified_tokens(prompt, self.block_size, offered, theirs, params.get(TAIL))
                 if verified < offered:
+                    refused = "mismatch"
                     self.stats["tokens_trimmed"] += offered - verified
                     self.stats["refused_mismatch"] += 1
         pull_tokens = verified - num_computed
+        self.cost.last_estimate = None  # logged below: never a previous offer's
         pull = pull_tokens > 0 and self.cost.should_pull(
             pull_tokens=pull_tokens,
             new_tokens=request.num_prompt_tokens - max(verified, num_computed),
@@ -183,7 +186,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.stats["tokens_refused"] += offered - allowed
         logger.info(
             "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
-            "estimate=%s",
+            "estimate=%s refused=%s",
             request.request_id,
             request.num_prompt_tokens,
             offered,
@@ -191,6 +194,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             num_computed,
             pull,
             self.cost.last_estimate,
+            refused or "-",
         )
 
     def _still_held(self, params: dict[str, Any]) -> bool:
@@ -207,7 +211,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         try:
             with urllib.request.urlopen(f"{service}/agentkv/v1/retained/{rid}", timeout=1.0) as r:
                 fresh = json.loads(r.read())["kv_transfer_params"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError) as exc:
+            # 404: released or expired; a timeout or a refused connection: decode unreachable. No read.
+            logger.info("agentkv still-held check for %s failed: %r", rid, exc)
             return False
         params["remote_blocks_expiry_time"] = fresh.get("remote_blocks_expiry_time")
         return True
@@ -244,7 +250,11 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self._reqs_need_send.update(self.leases.drain())
         # Timed from here (scheduling) to update_connector_output (the step's results): the step's own
         # execution time, never an idle gap between requests.
-        self._last_step = (time.perf_counter(), scheduler_output.total_num_scheduled_tokens)
+        self._last_step = (
+            time.perf_counter(),
+            scheduler_output.total_num_scheduled_tokens,
+            _mean_position(scheduler_output),
+        )
         meta = super().build_connector_meta(scheduler_output)
         self._maybe_idle(scheduler_output)
         return meta
@@ -252,8 +262,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         if self._last_step is not None:
-            started, tokens = self._last_step
-            self.cost.observe_step(tokens=tokens, seconds=time.perf_counter() - started)
+            started, tokens, context = self._last_step
+            self.cost.observe_step(tokens=tokens, seconds=time.perf_counter() - started, context=context)
             self._last_step = None
         for rid in connector_output.finished_recving or ():
             self._awaiting.discard(rid)
@@ -293,6 +303,25 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         if self.service is not None:
             self.service.stop()
         super().shutdown()
+
+
+def _mean_position(scheduler_output: Any) -> float:
+    """Mean position of the tokens a step computes (what their attention spans), weighted by token count.
+
+    Built from vLLM's SchedulerOutput (new requests and cached ones carry ``num_computed_tokens``); 0 where a
+    layout differs, which leaves the prefill rate flat instead of failing the step.
+    """
+    try:
+        scheduled: dict[str, int] = scheduler_output.num_scheduled_tokens
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        total = sum(scheduled.values())
+        if not total:
+            return 0.0
+        return sum(n * (computed.get(rid, 0) + n / 2) for rid, n in scheduled.items()) / total
+    except (AttributeError, TypeError):
+        return 0.0
 
 
 def _kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float | None:

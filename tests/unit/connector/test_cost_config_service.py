@@ -121,3 +121,49 @@ def test_service_serves_metrics_over_http() -> None:
         assert httpx.get(f"http://127.0.0.1:{svc.port}/agentkv/v1/info", timeout=5).json()["retained"] == 0
     finally:
         svc.stop()
+
+
+def test_prefill_rate_grows_with_context_and_prices_the_pulled_span_at_its_middle() -> None:
+    m = PullCostModel(static_threshold=0)
+    m.bytes_per_token = 1000.0
+    for _ in range(3):
+        m.observe_transfer(
+            {"transfer_duration": [0.012], "post_duration": [0.010], "bytes_transferred": [2_000_000]}
+        )  # 10 ms to post, 1 GB/s
+        m.observe_step(tokens=512, seconds=512 * 10e-6, context=1000)  # 10 us/token near the start
+        m.observe_step(tokens=512, seconds=512 * 30e-6, context=21_000)  # 30 us/token 21k tokens in
+    rate = m.prefill_s_per_token(11_000)
+    assert rate is not None and abs(rate - 20e-6) < 1e-9
+    # 2,000 tokens: pull 10 + 2 = 12 ms; recompute at the rate of position 1,000: 2,000 x 10 us = 20 ms.
+    assert m.should_pull(pull_tokens=2000, new_tokens=100, context=2100) is True
+    assert m.last_estimate is not None and m.last_estimate["recompute_ms"] == 20.0
+    # With a much slower link the pull of the same span loses, and a longer span (dearer per token) wins.
+    m._bytes_per_s.value = 50e6  # 50 MB/s: 2,000 tokens = 2 MB = 40 ms
+    assert m.should_pull(pull_tokens=2000, new_tokens=100, context=2100) is False
+    assert m.should_pull(pull_tokens=40_000, new_tokens=100, context=40_100) is True  # 810 ms < 1.2 s
+    assert m.snapshot()["prefill_us_per_token_per_1k_context"] == 1.0
+
+
+def test_mean_position_of_a_step_weights_requests_by_their_tokens() -> None:
+    from types import SimpleNamespace
+
+    from agentkv.server._connector._scheduler import _mean_position
+
+    out = SimpleNamespace(
+        num_scheduled_tokens={"new": 100, "old": 1},
+        scheduled_new_reqs=[SimpleNamespace(req_id="new", num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["old"], num_computed_tokens=[5000]),
+    )
+    # new: 100 tokens around position 50; old (a decode step): 1 token at 5000.5
+    assert abs(_mean_position(out) - (100 * 50 + 5000.5) / 101) < 1e-9
+    assert _mean_position(SimpleNamespace()) == 0.0  # an unknown layout: flat rate, no failure
+    assert (
+        _mean_position(
+            SimpleNamespace(
+                num_scheduled_tokens={},
+                scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+            )
+        )
+        == 0.0
+    )

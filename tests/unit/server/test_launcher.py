@@ -24,6 +24,7 @@ def test_decode_on_cpu_gets_connector_lease_service_and_loopback_networking() ->
     assert extra["agentkv_lease_s"] == 12
     assert env["UCX_NET_DEVICES"] == "lo" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert "--enable-prefix-caching" in argv
+    assert "--enable-prompt-tokens-details" in argv  # the router reads cached_tokens from usage
 
 
 def test_stock_prefill_without_our_connector_and_without_prefix_cache() -> None:

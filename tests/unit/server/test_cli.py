@@ -1,0 +1,183 @@
+"""The ``agentkv`` command line through typer's CliRunner: help texts, and clear errors for bad settings.
+
+Nothing here starts an engine, a cluster or a server: `run_router`, `Cluster.up` and the tiny model build are
+replaced by tripwires, so a regression that lets bad settings through fails the test instead of starting
+anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from agentkv.cli import app
+
+runner = CliRunner()
+
+
+def flat(text: str) -> str:
+    """Rich wraps long messages at 80 columns; compare with runs of whitespace collapsed."""
+    return re.sub(r"\s+", " ", text)
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
+    return runner.invoke(app, list(args), prog_name="agentkv", env=env)
+
+
+@pytest.fixture(autouse=True)
+def tripwires(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """No AGENTKV_* settings from the caller's environment; record instead of serving or building."""
+    for name in list(os.environ):
+        if name.startswith("AGENTKV_"):
+            monkeypatch.delenv(name)
+    served: list[Any] = []
+    monkeypatch.setattr("agentkv.server.router.run_router", served.append)
+
+    def no_cluster(*_a: Any, **_k: Any) -> None:
+        raise AssertionError("the CLI tried to start a cluster")
+
+    def no_model(*_a: Any, **_k: Any) -> Path:
+        raise AssertionError("the CLI tried to build the tiny model")
+
+    monkeypatch.setattr("agentkv.server._cluster.Cluster.up", no_cluster)
+    monkeypatch.setattr("agentkv.cli.ensure_tiny_model", no_model)
+    return served
+
+
+def test_top_level_help_lists_every_subcommand() -> None:
+    result = invoke("--help")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "Usage: agentkv" in out
+    for command in ("serve", "up", "down", "router", "demo", "model"):
+        assert re.search(rf"^\W*{command}\s", out, re.M), f"{command} missing from:\n{out}"
+
+
+def test_no_arguments_shows_help_instead_of_doing_anything() -> None:
+    result = invoke()
+    # no_args_is_help: click prints the help and exits with 2 (usage) in click >= 8.2, 0 before.
+    assert result.exit_code in (0, 2)
+    assert "Commands" in result.output and "router" in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["serve"], ["ROLE", "--model", "--port", "--side-channel-port", "--lease-s", "--agentkv-connector"]),
+        (["up"], ["--config", "--model", "--prefill", "--decode", "--router-port", "--foreground"]),
+        (["down"], ["Stop what", "--help"]),
+        (
+            ["router"],
+            [
+                "--prefill",
+                "--decode",
+                "--config",
+                "--port",
+                "--path-policy",
+                "--store-url",
+                "--api-keys-file",
+            ],
+        ),
+        (["demo"], ["--turns", "--conversations", "--keep", "--json"]),
+        (["model"], ["tiny"]),
+        (["model", "tiny"], ["OUT_DIR", "--seed"]),
+    ],
+    ids=["serve", "up", "down", "router", "demo", "model", "model-tiny"],
+)
+def test_subcommand_help_exits_0_and_lists_its_options(args: list[str], expected: list[str]) -> None:
+    result = invoke(*args, "--help")
+    assert result.exit_code == 0, result.output
+    assert f"Usage: agentkv {' '.join(args)}" in result.output
+    for item in expected:  # arguments show as ROLE or {role} depending on the typer version
+        assert item.lower() in result.output.lower(), f"{item} missing from `agentkv {' '.join(args)} --help`"
+
+
+def test_router_without_prefill_is_a_clear_usage_error(tripwires: list[Any]) -> None:
+    result = invoke("router", "--decode", "http://127.0.0.1:8200")
+    assert result.exit_code == 2
+    assert isinstance(result.exception, SystemExit)
+    out = flat(result.output)
+    assert "invalid router settings" in out and "at least one --prefill URL is required" in out
+    assert "Traceback" not in result.output
+    assert tripwires == []  # the router never ran
+
+
+def test_router_with_a_malformed_url_names_it(tripwires: list[Any]) -> None:
+    result = invoke("router", "--prefill", "ftp://p0", "--decode", "http://127.0.0.1:8200")
+    assert result.exit_code == 2
+    out = flat(result.output)
+    assert "invalid backend URL 'ftp://p0': expected http://host:port" in out
+    assert "Traceback" not in result.output
+    assert tripwires == []
+
+
+def test_router_settings_file_errors_are_one_readable_line(tmp_path: Path, tripwires: list[Any]) -> None:
+    bad = tmp_path / "router.toml"
+    bad.write_text('[router]\nprefill = ["ftp://p0"]\ndecode = ["http://127.0.0.1:8200"]\n')
+    result = invoke("router", "--config", str(bad))
+    assert result.exit_code == 1
+    assert flat(result.output).strip() == (
+        "error: invalid router settings: invalid backend URL 'ftp://p0': expected http://host:port"
+    )
+    missing = invoke("router", "--config", str(tmp_path / "nope.toml"))
+    assert missing.exit_code == 1
+    assert "cannot read router settings" in flat(missing.output) and "nope.toml" in missing.output
+    assert "Traceback" not in result.output + missing.output
+    assert tripwires == []
+
+
+def test_router_flags_reach_the_settings(tripwires: list[Any]) -> None:
+    result = invoke(
+        "router",
+        "--prefill",
+        "http://127.0.0.1:8100",
+        "--prefill",
+        "127.0.0.1:8101",
+        "--decode",
+        "http://127.0.0.1:8200",
+        "--path-policy",
+        "always-pd",
+        "--no-reuse",
+        "--port",
+        "9000",
+    )
+    assert result.exit_code == 0, result.output
+    [settings] = tripwires
+    assert settings.prefill == ["http://127.0.0.1:8100", "127.0.0.1:8101"]
+    assert settings.decode == ["http://127.0.0.1:8200"]
+    assert (settings.path_policy, settings.reuse, settings.port) == ("always-pd", False, 9000)
+
+
+def test_router_settings_errors_do_not_print_api_keys_from_the_environment() -> None:
+    result = invoke("router", "--decode", "http://d:1", env={"AGENTKV_API_KEYS": "sk-live-4f9a2c"})
+    assert result.exit_code != 0
+    assert "sk-live" not in result.output and "input_value" not in result.output
+
+
+def test_error_messages_are_printed_verbatim(tmp_path: Path) -> None:
+    missing = tmp_path / "[bold]router.toml"
+    result = invoke("router", "--config", str(missing))
+    assert result.exit_code == 1
+    assert "[bold]router.toml" in flat(result.output).replace(" ", "")
+
+
+def test_serve_rejects_an_unknown_role_before_starting_anything() -> None:
+    result = invoke("serve", "bogus")
+    assert result.exit_code == 2
+    assert "role must be prefill, decode or single" in flat(result.output)
+    assert "Traceback" not in result.output
+
+
+def test_up_with_an_impossible_cluster_fails_cleanly(tmp_path: Path) -> None:
+    result = invoke("up", "--model", str(tmp_path), "--prefill", "0")
+    assert result.exit_code == 1
+    assert "error: a cluster needs at least one prefill and one decode" in flat(result.output)
+    missing = invoke("up", "--config", str(tmp_path / "cluster.toml"))
+    assert missing.exit_code == 1
+    assert "does not exist" in flat(missing.output)
+    assert "Traceback" not in result.output + missing.output
