@@ -28,6 +28,7 @@ from ._helpers import (
     chat,
     conversation_script,
     free_port,
+    metric,
     new_id,
     pd_turn,
     running,
@@ -154,7 +155,9 @@ def test_conversations_stay_on_their_decode(replicas: list[RouterProc]) -> None:
         cid = new_id(f"sticky{i}")
         h: list[dict[str, object]] = []
         for j, msg in enumerate(conversation_script(500 + i, 3)):
-            h.append({"role": "user", "content": msg[:400]})
+            # Whole messages: a first turn shorter than one CPU block (128 tokens) leaves only a partial block
+            # to offer, which the token-exact check refuses whenever the answer re-tokenizes differently.
+            h.append({"role": "user", "content": msg})
             turn = chat(r.url, h, conversation_id=cid, max_tokens=4)
             h.append({"role": "assistant", "content": turn.text})
             if j > 0:
@@ -239,9 +242,22 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
             assert r.status_code in (502, 503, 504) and "error" in r.json()
     finally:
         os.killpg(engine.pid, signal.SIGCONT)
+    # Every router must see the thawed decode again before the next fault: a router that still counts it
+    # down when the other decode is killed has no decode left (seen once, 2026-12-01).
+    _wait_healthy_decodes([*replicas, off22], 2)
     t = chat(b.url, h, conversation_id=cid)
     assert t.ids == chat(off22.url, h).ids
     _resumes(b, off22, cid, h, t)
+
+
+def _wait_healthy_decodes(routers: list[RouterProc], n: int, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    for r in routers:
+        if r.proc.poll() is not None:
+            continue  # a replica an earlier test stopped
+        while metric(r.url, "agentkv_healthy_backends", role="decode") < n:
+            assert time.monotonic() < deadline, f"{r.url} does not see {n} healthy decodes"
+            time.sleep(0.5)
 
 
 def _resumes(router: RouterProc, off: RouterProc, cid: str, h: list[dict[str, object]], last: Any) -> None:
@@ -284,6 +300,7 @@ def test_decode_killed_between_turns_then_restarted(
     for p in cluster22.prefills:  # the restarted engine's first NIXL handshakes (slow on 2 busy cores)
         pd_turn(p.spec.url, engine.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)
     time.sleep(8)  # a health round brings it back and re-reads its (new) engine registration
+    _wait_healthy_decodes([*replicas, off22], 2)
     h1.append({"role": "user", "content": "tool result: after the restart"})
     t1 = chat(b.url, h1, conversation_id=c1)  # stale params of the old engine must not be used
     assert t1.headers.get("x-agentkv-reuse") != "hit"
@@ -331,7 +348,10 @@ def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
                 events.append(line[6:])
             if len(events) == 5 and not killed:
                 killed = True
-                _engine(cluster22, _decode_of_stream(b, cid)).stop(timeout_s=1)
+                # A crash, not a shutdown: on SIGTERM vLLM ends its streams itself (finish_reason "abort").
+                engine = _engine(cluster22, _decode_of_stream(b, cid))
+                assert engine.pid
+                os.killpg(engine.pid, signal.SIGKILL)
     assert time.monotonic() - t0 < 60
     assert events[-1] == "[DONE]"
     assert "error" in json.loads(events[-2])

@@ -81,17 +81,36 @@ def stock_off(stock: Cluster) -> Iterator[RouterProc]:
     yield from _router(stock, 28002, "off", "--no-reuse")
 
 
+def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], str], s: list[str]) -> None:
+    """A conversation id reused for an unrelated conversation a little longer than the first one.
+
+    Stock decodes are offered the previous prompt's tokens; the new prompt has as many words plus a short
+    tail, so almost all of its context would come from the wrong conversation, yet the prompt is never
+    covered whole (a full remote hit is what once hung stock vLLM).
+    """
+    words = s[0].split()
+    send([{"role": "user", "content": " ".join(words)}])
+    other = conversation_script(998, 1, nonce="unrelated")[0].split()
+    while len(other) < len(words):
+        other += other
+    send(
+        [{"role": "user", "content": " ".join(other[: len(words)] + ["tool", "result", "row", "cache"] * 4)}]
+    )
+
+
 def test_upstream_behaviour_changes_answers(
     upstream_router: RouterProc, stock_off: RouterProc, report: Callable[[str], None]
 ) -> None:
     """Without any prefix check some agent history shape gets different tokens: the suite can fail.
 
-    Not the reused-id case here: offering stock vLLM a retained sequence longer than the new prompt (511
-    tokens for a 182-token prompt) once hung its decode for over 60 s (2026-12-01), which took the rest of
-    this module down with it. Our connector trims such offers (test_reuse_correctness runs that case).
+    The reused-id case is the suite's ``conversation_id_reused`` made safe for stock vLLM: there the unrelated
+    history is shorter than what decode retains, and offering stock vLLM more tokens than the prompt has
+    (511 for 182) once hung its decode for over 60 s (2026-12-01), taking this module down. Our connector
+    trims such offers (test_reuse_correctness runs the original case).
     """
     differing = []
-    for i, case in enumerate([assistant_text_shortened, edited_earlier_user_message]):
+    cases = [assistant_text_shortened, edited_earlier_user_message, unrelated_history_on_a_reused_id]
+    for i, case in enumerate(cases):
         script = conversation_script(300 + i, 3)
         off, _ = run_case(case, stock_off.url, script)
         on, reuse = run_case(case, upstream_router.url, script)
