@@ -81,46 +81,6 @@ def stock_off(stock: Cluster) -> Iterator[RouterProc]:
     yield from _router(stock, 28002, "off", "--no-reuse")
 
 
-def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], str], s: list[str]) -> None:
-    """A conversation id reused for an unrelated conversation a little longer than the first one.
-
-    Stock decodes are offered the previous prompt's tokens; the new prompt has as many words plus a short
-    tail, so almost all of its context would come from the wrong conversation, yet the prompt is never
-    covered whole (a full remote hit is what once hung stock vLLM).
-    """
-    words = s[0].split()
-    send([{"role": "user", "content": " ".join(words)}])
-    other = conversation_script(998, 1, nonce="unrelated")[0].split()
-    while len(other) < len(words):
-        other += other
-    send(
-        [{"role": "user", "content": " ".join(other[: len(words)] + ["tool", "result", "row", "cache"] * 4)}]
-    )
-
-
-def test_upstream_behaviour_changes_answers(
-    upstream_router: RouterProc, stock_off: RouterProc, report: Callable[[str], None]
-) -> None:
-    """Without any prefix check some agent history shape gets different tokens: the suite can fail.
-
-    The reused-id case is the suite's ``conversation_id_reused`` made safe for stock vLLM: there the unrelated
-    history is shorter than what decode retains, and offering stock vLLM more tokens than the prompt has
-    (511 for 182) once hung its decode for over 60 s (2026-12-01), taking this module down. Our connector
-    trims such offers (test_reuse_correctness runs the original case).
-    """
-    differing = []
-    cases = [assistant_text_shortened, edited_earlier_user_message, unrelated_history_on_a_reused_id]
-    for i, case in enumerate(cases):
-        script = conversation_script(300 + i, 3)
-        off, _ = run_case(case, stock_off.url, script)
-        on, reuse = run_case(case, upstream_router.url, script)
-        assert "hit" in reuse
-        if on != off:
-            differing.append(case.__name__)
-    report(f"stock vLLM without any prefix check changed greedy answers in: {differing}")
-    assert differing
-
-
 def test_guarded_router_on_stock_engines_keeps_answers(
     stock_router: RouterProc, stock_off: RouterProc
 ) -> None:
@@ -149,3 +109,50 @@ def test_fixed_ttl_reported_and_late_turn_recomputes(
     late = chat(stock_router.url, h, conversation_id=cid)
     assert late.headers.get("x-agentkv-reuse") == "expired"
     assert late.ids == chat(stock_off.url, h).ids
+
+
+def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], str], s: list[str]) -> None:
+    """A conversation id reused for an unrelated conversation a little longer than the first one.
+
+    Stock decodes are offered the previous prompt's tokens; the new prompt has as many words plus a short
+    tail, so almost all of its context would come from the wrong conversation, yet the prompt is never
+    covered whole (a full remote hit is what once hung stock vLLM).
+    """
+    words = s[0].split()
+    send([{"role": "user", "content": " ".join(words)}])
+    other = conversation_script(998, 1, nonce="unrelated")[0].split()
+    while len(other) < len(words):
+        other += other
+    send(
+        [{"role": "user", "content": " ".join(other[: len(words)] + ["tool", "result", "row", "cache"] * 4)}]
+    )
+
+
+def test_upstream_behaviour_changes_answers(
+    upstream_router: RouterProc, stock_off: RouterProc, report: Callable[[str], None]
+) -> None:
+    """Without any prefix check some agent history shape gets different tokens: the suite can fail.
+
+    The reused-id case is the suite's ``conversation_id_reused`` made safe for stock vLLM: there the unrelated
+    history is shorter than what decode retains, and offering stock vLLM more tokens than the prompt has
+    (511 for 182) once hung its decode for over 60 s (2026-12-01), taking this module down. Our connector
+    trims such offers (test_reuse_correctness runs the original case).
+    """
+    # Last in this module, and it stops at the first changed answer: feeding stock vLLM wrong offers is
+    # what this test does, and a stalled stock engine must not take the other tests with it.
+    differing = []
+    cases = {
+        unrelated_history_on_a_reused_id: 302,
+        assistant_text_shortened: 300,
+        edited_earlier_user_message: 301,
+    }
+    for case, seed in cases.items():
+        script = conversation_script(seed, 3)
+        off, _ = run_case(case, stock_off.url, script)
+        on, reuse = run_case(case, upstream_router.url, script)
+        assert "hit" in reuse
+        if on != off:
+            differing.append(case.__name__)
+            break
+    report(f"stock vLLM without any prefix check changed greedy answers in: {differing}")
+    assert differing
