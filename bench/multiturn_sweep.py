@@ -332,7 +332,18 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
 
     summary = doc["data"]["summary"]
     tag = f"{doc['data']['device']} {doc['data']['shape']}"
-    xs = [s["input_num_tokens_on"] or s["target_tokens"] for s in summary]
+    # A single leg (the repro trio writes one per run) has only its own columns.
+    xs = [
+        next(
+            (
+                s[k]
+                for k in ("input_num_tokens_on", "input_num_tokens_off", "input_num_tokens_floor")
+                if s.get(k)
+            ),
+            s["target_tokens"],
+        )
+        for s in summary
+    ]
     paths = [
         line_chart(
             out_dir / f"ttft_vs_length_{doc['data']['shape']}.png",

@@ -48,3 +48,17 @@ def test_summary_reports_ratios_against_off_and_against_the_floor() -> None:
 def test_agentic_summary_keeps_only_the_suffix_turns() -> None:
     rows = [_row("off", 400, 260, "context"), _row("off", 100, 60, "suffix"), _row("on", 30, 0, "suffix")]
     assert [e["label"] for e in summarize(rows, "agentic")] == ["suffix"]
+
+
+def test_one_leg_alone_plots_and_prints(tmp_path: object) -> None:
+    """The repro trio writes one leg per run: plotting it must not need the other legs' columns."""
+    import pathlib
+
+    from bench.multiturn_sweep import plot
+
+    out = pathlib.Path(str(tmp_path))
+    rows = [_row("off", 400, 260)]
+    doc = {"data": {"device": "cpu", "shape": "published", "summary": summarize(rows, "published")}}
+    paths = plot(doc, out)
+    assert [p.name for p in paths] == ["ttft_vs_length_published.png", "prefill_split_published.png"]
+    assert all(p.stat().st_size > 0 for p in paths)
