@@ -7,6 +7,15 @@ PY=${PYTHON:-python3}
 $PY -m ruff format --check agentkv tests bench examples || exit 1
 $PY -m ruff check agentkv tests bench examples || exit 1
 $PY -m mypy agentkv || exit 1
+# The SDK must work with openai 2.x (httpx) and 3.x (httpx2): its unit tests run once more with openai 3 on
+# the path (pinned; a separate --target dir, since llama-index-llms-openai pins openai < 3 in the main env).
+O3=.agentkv/openai3
+if [ ! -d "$O3/openai" ]; then
+  $PY -m pip install -q --disable-pip-version-check --target "$O3" "openai==3.57.0" "httpx2==2.16.2" \
+    >/dev/null 2>&1 || { echo "could not install openai 3 for the SDK tests" >&2; exit 1; }
+fi
+PYTHONPATH="$O3:." $PY -m pytest -p no:cacheprovider -q tests/unit/client tests/unit/session \
+  tests/unit/integrations || exit 1
 $PY -m pytest -p no:cacheprovider "$@"
 rc=$?
 # pytest exits 5 when it collected no tests: that is a failure of the suite, not a pass.
