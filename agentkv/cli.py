@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -27,10 +27,10 @@ console = Console(stderr=True)
 DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
 
 
-def _fail(exc: AgentKVError) -> None:
+def _fail(exc: AgentKVError, *, code: int = 1) -> NoReturn:
     # Escaped: a message quotes paths and values, and rich would read "[...]" in them as markup.
     console.print(f"[bold red]error:[/] {escape(str(exc))}")
-    raise typer.Exit(1)
+    raise typer.Exit(code)
 
 
 def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
@@ -238,8 +238,7 @@ def router(
         try:
             settings = RouterSettings.build(**overrides)
         except AgentKVError as exc:
-            console.print(f"[bold red]error:[/] {escape(str(exc))}")
-            raise typer.Exit(2) from None
+            _fail(exc, code=2)  # a usage error, as typer's own
         run_router(settings)
         return
     try:

@@ -32,9 +32,9 @@ class _Ewma:
 class _DecayedLine:
     """``y = fixed + slope * x`` by exponentially weighted least squares (old points fade with ``decay``).
 
-    Posting a pull costs a fixed part (notification, handshake bookkeeping) plus a part per NIXL descriptor;
-    pulls of different sizes separate the two. With all points at one x the slope is unknown (0) and the
-    fit is their mean.
+    Two uses: a pull's post time vs its NIXL descriptors (a fixed part for notification and bookkeeping plus
+    a part per descriptor; pulls of different sizes separate the two), and prefill seconds per token vs the
+    position the tokens sit at. With all points at one x the slope is unknown (0) and the fit is their mean.
     """
 
     def __init__(self, decay: float) -> None:
