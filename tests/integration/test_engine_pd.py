@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -62,49 +63,53 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
     assert on_ids == off_ids
 
 
-def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None:
-    """Stale params reach prefill after decode released the blocks: prefill must not read them."""
+def _late_turn_with_stale_params(
+    cluster: Cluster, seed: int, let_go: Callable[[str, str], None]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Turn 1 through P/D; ``let_go(decode service, request id)`` ends decode's hold on its blocks; then
+    turn 2 reaches prefill with the params decode had retained. The answer must equal a plain recompute.
+    Returns prefill's connector stats before and after turn 2."""
     p, d, ps, ds = _urls(cluster)
-    script = conversation_script(3, 2)
+    script = conversation_script(seed, 2)
     history: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     first, rid = pd_turn(p, d, history)
     stale = retained_params(ds, rid)
     assert stale is not None
-    # Release the lease: decode frees the blocks at its next step, and they may be reused at once.
-    assert httpx.delete(f"{ds}/agentkv/v1/leases/{rid}", timeout=5).status_code == 200
-    deadline = time.monotonic() + 10
-    while retained_params(ds, rid) is not None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert retained_params(ds, rid) is None
+    let_go(ds, rid)
+    assert retained_params(ds, rid) is None, "decode still holds the blocks"
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
-    before = service_info(ps)["stats"]["tokens_pulled"]
+    before = service_info(ps)["stats"]
     late, _ = pd_turn(p, d, history, retained=stale)  # must not be a 500
-    reference = chat(p, history)
-    assert late.ids == reference.ids
-    stats = service_info(ps)["stats"]
-    assert stats["tokens_pulled"] == before, "prefill pulled blocks that decode had released"
-    assert stats["refused_released"] >= 1
+    assert late.ids == chat(p, history).ids
+    return before, service_info(ps)["stats"]
+
+
+def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None:
+    """Stale params reach prefill after decode released the blocks: prefill must not read them."""
+
+    def release(ds: str, rid: str) -> None:
+        # Decode frees the blocks at its next step, and they may be reused at once.
+        assert httpx.delete(f"{ds}/agentkv/v1/leases/{rid}", timeout=5).status_code == 200
+        deadline = time.monotonic() + 10
+        while retained_params(ds, rid) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    before, after = _late_turn_with_stale_params(cluster, 3, release)
+    assert after["tokens_pulled"] == before["tokens_pulled"], "prefill pulled blocks that decode had released"
+    assert after["refused_released"] >= 1
 
 
 def test_lease_expiry_recomputes_and_answers_correctly(cluster: Cluster) -> None:
     """A late turn, after decode's short lease ran out on its own (no release): recompute, same answer."""
     from .conftest import LEASE_S
 
-    p, d, ps, ds = _urls(cluster)
-    script = conversation_script(4, 2)
-    history: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
-    first, rid = pd_turn(p, d, history)
-    stale = retained_params(ds, rid)
-    assert stale is not None
-    held = httpx.get(f"{ds}/agentkv/v1/retained/{rid}", timeout=5).json()
-    assert 0 < held["expires_in_s"] <= LEASE_S
-    time.sleep(held["expires_in_s"] + 1)  # the agent's tool ran longer than the lease, and nobody renewed it
-    assert retained_params(ds, rid) is None, "decode still holds the blocks after its lease"
-    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
-    refused0 = service_info(ps)["stats"]["refused_released"]
-    late, _ = pd_turn(p, d, history, retained=stale)  # no 500, no wrong answer
-    assert late.ids == chat(p, history).ids
-    assert service_info(ps)["stats"]["refused_released"] == refused0 + 1
+    def outlast_the_lease(ds: str, rid: str) -> None:
+        held = httpx.get(f"{ds}/agentkv/v1/retained/{rid}", timeout=5).json()
+        assert 0 < held["expires_in_s"] <= LEASE_S
+        time.sleep(held["expires_in_s"] + 1)  # the agent's tool ran longer than the lease; nobody renewed it
+
+    before, after = _late_turn_with_stale_params(cluster, 4, outlast_the_lease)
+    assert after["refused_released"] == before["refused_released"] + 1
 
 
 def test_tiny_model_answers_differ_between_prompts(cluster: Cluster) -> None:

@@ -22,7 +22,7 @@ from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import block_fingerprints, tail_fingerprint, verified_tokens
 from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
-from agentkv.server._connector._service import RetentionService
+from agentkv.server._connector._service import COUNTERS, RetentionService
 from agentkv.server._connector._vllm import NixlPullConnectorScheduler
 
 if TYPE_CHECKING:
@@ -77,18 +77,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.agentkv = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
         self.is_decode = ktc.kv_role == "kv_consumer"
         self.leases: LeaseTable | None = None
-        self.stats: dict[str, int] = {
-            "pulls": 0,
-            "recomputes": 0,
-            "tokens_offered": 0,
-            "tokens_pulled": 0,
-            "tokens_trimmed": 0,
-            "refused_mismatch": 0,
-            "refused_unverified": 0,
-            "refused_released": 0,
-            "tokens_refused": 0,
-            "retained": 0,
-        }
+        # One key per exported counter (docs and Prometheus names live beside them in _service).
+        self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.cost = PullCostModel(
             static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
         )

@@ -17,7 +17,7 @@ from urllib.parse import unquote
 
 from agentkv.server._connector._leases import LeaseTable
 
-__all__ = ["RetentionService", "render_metrics"]
+__all__ = ["COUNTERS", "RetentionService", "render_metrics"]
 
 logger = logging.getLogger("agentkv.connector")
 _PREFIX = "/agentkv/v1/"
@@ -25,8 +25,8 @@ _MAX_BODY = 4096
 
 # Counters of the connector's decisions (``AgentKVScheduler.stats``), as Prometheus exposes them. vLLM's own
 # /metrics lives in the API-server process; these live in the engine-core process, so this service serves
-# them on its own /metrics.
-_COUNTERS = {
+# them on its own /metrics. The scheduler keeps exactly these keys.
+COUNTERS = {
     "pulls": "turns whose offered blocks were pulled from decode",
     "recomputes": "turns offered blocks that recomputed instead (cost, mismatch, released or expired)",
     "tokens_offered": "prompt tokens decode offered to prefill",
@@ -45,7 +45,7 @@ def render_metrics(info: dict[str, Any], retained_now: int) -> str:
     role = info.get("role", "unknown")
     stats = info.get("stats") or {}
     lines = []
-    for key, doc in _COUNTERS.items():
+    for key, doc in COUNTERS.items():
         name = f"agentkv_connector_{key}_total"
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
         lines.append(f'{name}{{role="{role}"}} {float(stats.get(key, 0))}')
@@ -110,13 +110,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
-            svc = self.service
-            text = render_metrics(svc._info(), len(svc.table)).encode()
-            self.send_response(200)
-            self.send_header("content-type", "text/plain; version=0.0.4; charset=utf-8")
-            self.send_header("content-length", str(len(text)))
-            self.end_headers()
-            self.wfile.write(text)
+            text = render_metrics(self.service._info(), len(self.service.table))
+            self._reply(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
             return
         body: dict[str, Any] = {}
         length = int(self.headers.get("content-length") or 0)
@@ -141,9 +136,11 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, payload)
 
     def _send(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload).encode()
+        self._reply(status, json.dumps(payload).encode(), "application/json")
+
+    def _reply(self, status: int, data: bytes, content_type: str) -> None:
         self.send_response(status)
-        self.send_header("content-type", "application/json")
+        self.send_header("content-type", content_type)
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
