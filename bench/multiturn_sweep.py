@@ -137,14 +137,23 @@ def stream_turn(
     }
 
 
+def api_ms(prefill_ms: float, queue_ms: float, engine_prefill_ms: float) -> float:
+    """The router's prefill hop minus the engine's queue and compute: HTTP, rendering, tokenization.
+
+    Not hop minus the engine's e2e histogram: vLLM 0.26 records no e2e for a request that ends holding its
+    KV for a remote decode (every P request), which made this the whole hop."""
+    if prefill_ms != prefill_ms:  # NaN: the router sent no timing header
+        return float("nan")
+    return round(prefill_ms - queue_ms - engine_prefill_ms, 2)
+
+
 def phase_split(p: dict[str, float], d: dict[str, float], prefill_ms: float) -> dict[str, float]:
     """Where one turn's time went, from the engines' histogram deltas (ms)."""
     ms = {k: round(v * 1e3, 2) for k, v in p.items() if k in PHASES}
     return {
         "p_queue_ms": ms["queue_s"],
         "p_engine_prefill_ms": ms["engine_prefill_s"],
-        # The router's prefill hop minus the engine's own request time: HTTP, tokenization, rendering.
-        "p_api_ms": round(prefill_ms - ms["e2e_s"], 2) if prefill_ms == prefill_ms else float("nan"),
+        "p_api_ms": api_ms(prefill_ms, ms["queue_s"], ms["engine_prefill_s"]),
         "d_queue_ms": round(d["queue_s"] * 1e3, 2),
         "d_engine_ttft_ms": round(d["ttft_s"] * 1e3, 2),
     }
@@ -303,6 +312,9 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
             rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
             if not rs:
                 continue
+            for r in rs:  # results written before api_ms existed carry the whole hop here
+                if r.get("path") != "decode-local" and isinstance(r.get("p_engine_prefill_ms"), int | float):
+                    r["p_api_ms"] = api_ms(r["prefill_ms"], r["p_queue_ms"], r["p_engine_prefill_ms"])
             for key in (
                 "ttft_ms",
                 "prefill_ms",

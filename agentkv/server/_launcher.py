@@ -64,9 +64,9 @@ class EngineSpec:
     cost_model: bool = True
     prefix_caching: bool = True
     max_model_len: int = 8192
-    # False on a GPU decode: replay CUDA graphs of its decode steps (below). Eager stays the default until
-    # a GPU sweep has measured the difference (it has not yet: see bench/README.md).
-    enforce_eager: bool = True
+    # True: no CUDA graphs anywhere. Otherwise a GPU decode replays graphs of its decode steps (below);
+    # prefill and CPU engines run eager regardless.
+    enforce_eager: bool = False
     cpu_kvcache_gib: int = 1
     cpu_core: int | None = None  # OMP thread binding on CPU
     block_size: int | None = None
@@ -129,10 +129,10 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     return cfg
 
 
-# Full CUDA graphs of decode batches without torch.compile (mode 0). In the eager GPU sweep a Qwen3-8B decode
-# step took ~34 ms (64 tokens in ~2.2 s), mostly kernel launches, and TTFT minus prefill time was 150-200 ms
-# on every path, i.e. several such steps (the step that reads P's KV, the first token). Mode 0 needs no
-# compiler on the host and adds only the graph capture to the start.
+# Full CUDA graphs of decode batches without torch.compile (mode 0): no compiler needed on the host, ~5 s of
+# capture at start. Measured on the H200 sweep (Qwen3-8B shape, 2026-12-01, bench/results/
+# multiturn_sweep_gpu_graphs vs multiturn_sweep_gpu): decode's engine TTFT fell from 105-170 ms to 55-90 ms
+# on every path, and TTFT with reuse at 24k tokens from 627 to 588 ms.
 GPU_DECODE_GRAPHS = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
 
 

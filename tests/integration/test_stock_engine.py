@@ -29,7 +29,25 @@ from ._helpers import (
 from .conftest import LOG_DIR
 from .test_reuse_correctness import run_case
 
-TTL_S = 45  # vLLM's fixed decode TTL here; a first D -> P pull on 2 stock engines can take 20 s
+# The router is told a fixed TTL (TTL_S) well below the one stock decode really applies (ENGINE_TTL_S), the
+# deployment rule for stock engines: the router must never offer blocks that decode may drop before prefill
+# reads them. On 2 starved cores prefill can take minutes to get to a request, and stock vLLM 0.32 then
+# hangs that request ("Declining expired remote read", then no answer; seen here on 2026-12-01).
+TTL_S = 45
+ENGINE_TTL_S = 300
+
+# Stock engines saturate a 2-core host by themselves: each keeps NIXL's progress thread busy (pthrDelay 0)
+# and its worker spins for 1 s after every step, and decode steps all the time while the fixed TTL holds
+# blocks (bench/results/idle_cpu: 0.9 + 0.7 cores idle, decode 1.6 cores while holding blocks). A first
+# 320-token prefill then took 30-46 s here and over 120 s on CI. These tests check behaviour, not speed: the
+# routers in front of stock engines get deadlines to match.
+STOCK_ROUTER_ENV = {
+    "AGENTKV_VLLM_FIXED_TTL_S": str(TTL_S),  # the router cannot read a stock engine's TTL: it is told
+    "AGENTKV_TIMEOUTS__PREFILL_S": "600",
+    "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "600",
+    "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "900",
+    "AGENTKV_TIMEOUTS__CONTROL_S": "20",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +60,7 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         router_port=None,
         prefill_prefix_caching=False,
         agentkv_connector=False,
-        decoder_kv_blocks_ttl=TTL_S,
+        decoder_kv_blocks_ttl=ENGINE_TTL_S,
         max_model_len=4096,
         log_dir=LOG_DIR / "stock",
     )
@@ -50,8 +68,7 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
 
 
 def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[RouterProc]:
-    # The router cannot read a stock engine's TTL: it is told (AGENTKV_VLLM_FIXED_TTL_S).
-    os.environ["AGENTKV_VLLM_FIXED_TTL_S"] = str(TTL_S)
+    os.environ.update(STOCK_ROUTER_ENV)
     try:
         r = start_router(
             port=port,
@@ -59,9 +76,11 @@ def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[Router
             decode=[e.spec.url for e in stock.decodes],
             log=LOG_DIR / f"router-stock-{name}.log",
             args=["--path-policy", "always-pd", *args],
+            ready_s=300,
         )
     finally:
-        os.environ.pop("AGENTKV_VLLM_FIXED_TTL_S", None)
+        for key in STOCK_ROUTER_ENV:
+            os.environ.pop(key, None)
     yield r
     r.stop()
 

@@ -45,24 +45,18 @@ def test_gpu_defaults_are_the_measured_best_settings() -> None:
     assert kv["kv_connector_extra_config"]["enable_cross_layers_blocks"] == "True"
     assert env["VLLM_USE_V2_MODEL_RUNNER"] == "0" and env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
     assert "kv_buffer_device" not in kv
-    assert "--enforce-eager" in argv  # until a GPU sweep measures graphs
+    cc = json.loads(argv[argv.index("--compilation-config") + 1])  # decode graphs: measured faster
+    assert cc == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} and "--enforce-eager" not in argv
 
 
-def test_gpu_decode_graphs_are_opt_in_and_only_for_decode() -> None:
-    graphs = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu", enforce_eager=False))[
-        0
-    ]
-    cc = json.loads(graphs[graphs.index("--compilation-config") + 1])
-    assert cc == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} and "--enforce-eager" not in graphs
-    prefill = build_command(
-        EngineSpec(role="prefill", model="/m", port=1, device="gpu", enforce_eager=False)
-    )[0]
+def test_gpu_decode_graphs_only_for_decode_and_can_be_turned_off() -> None:
+    prefill = build_command(EngineSpec(role="prefill", model="/m", port=1, device="gpu"))[0]
     assert "--enforce-eager" in prefill and "--compilation-config" not in prefill
-    cpu = build_command(EngineSpec(role="decode", model="/m", port=1, enforce_eager=False))[0]
+    cpu = build_command(EngineSpec(role="decode", model="/m", port=1))[0]
     assert "--enforce-eager" in cpu and "--compilation-config" not in cpu
-    mine = EngineSpec(
-        role="decode", model="/m", port=1, device="gpu", enforce_eager=False, extra_args=["-O0"]
-    )
+    eager = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu", enforce_eager=True))[0]
+    assert "--enforce-eager" in eager and "--compilation-config" not in eager
+    mine = EngineSpec(role="decode", model="/m", port=1, device="gpu", extra_args=["-O0"])
     argv = build_command(mine)[0]
     assert "--enforce-eager" not in argv and "--compilation-config" not in argv  # the caller chose
 
