@@ -22,6 +22,8 @@ H_FINAL_TURN = "x-agentkv-final-turn"
 
 # --- leases ----------------------------------------------------------------------------------------
 DEFAULT_LEASE_S = 30.0
+# An SDK session idle this long (no turn) stops heartbeating, so an agent that hangs does not pin KV forever.
+DEFAULT_IDLE_LIMIT_S = 600.0
 DEFAULT_MAX_LEASE_S = 600.0
 VLLM_FIXED_TTL_S = 480.0
 

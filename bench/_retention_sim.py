@@ -9,7 +9,8 @@ What is real and what is simulated (also in bench/README.md):
   release API) in ``FixedTTL``; prefill's rule that it declines a pull within 5 s of decode's expiry;
   service time (prefill of the uncached tokens at ``prefill_us_per_token`` + ``output_length`` x ``itl_ms``).
 * Synthesised: conversations (grouped from the trace's ``hash_ids``), which agents vanish and when,
-  which conversations get long tool gaps, heartbeats every ``lease_s / 3`` while an agent is alive.
+  which conversations get long tool gaps, heartbeats every ``lease_s / 3`` while an agent is alive and
+  idle for less than ``heartbeat_idle_limit_s`` (the SDK's rule).
 * Time is virtual: a run replays the trace's ~17 minutes (plus the tail of retention) in a second or two.
 """
 
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agentkv._constants import DEFAULT_LEASE_S, DEFAULT_MAX_LEASE_S, VLLM_FIXED_TTL_S
+from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_LEASE_S, DEFAULT_MAX_LEASE_S, VLLM_FIXED_TTL_S
 from bench._fake_vllm import DECLINE_MARGIN_S
 from bench._trace import Conversation
 
@@ -115,6 +116,9 @@ class Scenario:
     prefill_us_per_token: float = 19.0  # Qwen3-8B on an H200 (docs: landscape.md)
     itl_ms: float = 20.0
     capacity_blocks: int | None = None  # decode KV blocks available for retention; None = unbounded
+    # The SDK stops heartbeating once an agent has been idle this long (Session's heartbeat_idle_limit_s);
+    # its lease then runs out within lease_s. None: heartbeat for as long as the agent lives.
+    heartbeat_idle_limit_s: float | None = DEFAULT_IDLE_LIMIT_S
 
 
 @dataclass(kw_only=True)
@@ -196,6 +200,7 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
     stats = _Stats()
     live: dict[str, _Entry] = {}
     retained_of: dict[int, str] = {}  # conversation -> request id decode holds for it
+    idle_since: dict[int, float] = {}  # conversation -> when its last turn finished
     events: list[tuple[float, int, str, int, int]] = []  # (time, seq, kind, conversation, turn)
     seq = 0
 
@@ -223,7 +228,10 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         request_id = retained_of.get(conversation)
         if kind == "heartbeat":
             # A chain of heartbeats belongs to one turn's retention; it stops when the next turn starts.
-            if request_id == f"c{conversation}t{turn}" and request_id in live:
+            limit = scenario.heartbeat_idle_limit_s
+            if limit is not None and now - idle_since[conversation] >= limit:
+                pass  # the SDK gave up on an agent idle this long: the lease runs out on its own
+            elif request_id == f"c{conversation}t{turn}" and request_id in live:
                 deadline = policy.heartbeat(request_id)
                 stats.heartbeats += 1
                 if deadline is not None:
@@ -262,6 +270,7 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
                 retained_of[conversation] = new_id
                 stats.peak_blocks = max(stats.peak_blocks, in_use + blocks)
                 stats.timeline.append((now, in_use + blocks))
+            idle_since[conversation] = now
             last_turn = turn == len(script.turns) - 1
             if not last_turn:
                 push(now + script.turns[turn + 1].gap_s, "arrive", conversation, turn + 1)

@@ -11,13 +11,13 @@ from typing import Any
 
 from openai.types.chat import ChatCompletionMessage
 
-from agentkv._constants import DEFAULT_SESSION_HEADER
+from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_SESSION_HEADER
 from agentkv._exceptions import StreamInterruptedError, TransportError
 from agentkv.client import AsyncControlClient, AsyncTransport, RetryPolicy, Timeouts
 from agentkv.session._core import BaseSession, Messages, SessionCore, ToolLoop
 from agentkv.session._delta import Delta, MessageAssembler
 from agentkv.session._heartbeat import HeartbeatTask
-from agentkv.session._session import DEFAULT_IDLE_LIMIT_S, resolve_api_key
+from agentkv.session._session import resolve_api_key
 from agentkv.session._tools import RunResult
 
 __all__ = ["AsyncSession"]

@@ -12,7 +12,7 @@ from typing import Any
 
 from openai.types.chat import ChatCompletionMessage
 
-from agentkv._constants import DEFAULT_SESSION_HEADER
+from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_SESSION_HEADER
 from agentkv._exceptions import StreamInterruptedError, TransportError
 from agentkv.client import ControlClient, RetryPolicy, Timeouts, Transport
 from agentkv.session._core import BaseSession, Messages, SessionCore, ToolLoop
@@ -23,7 +23,6 @@ from agentkv.session._tools import RunResult
 __all__ = ["Session", "resolve_api_key"]
 
 log = logging.getLogger("agentkv.session")
-DEFAULT_IDLE_LIMIT_S = 600.0
 
 
 def resolve_api_key(api_key: str | None) -> str | None:

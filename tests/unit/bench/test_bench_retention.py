@@ -60,3 +60,15 @@ def test_a_full_decode_refuses_to_retain() -> None:
     result = run(scripts, "fixed", capped)
     assert result["refused"] == 1
     assert result["peak_blocks"] == 10
+
+
+def test_the_sdk_idle_limit_ends_heartbeats_and_the_lease_runs_out() -> None:
+    """An agent idle past heartbeat_idle_limit_s stops renewing: a gap longer than limit + lease misses."""
+    limited = Scenario(**{**SCENARIO.__dict__, "heartbeat_idle_limit_s": 100})
+    scripts = [ScriptedConversation(turns=[turn(0), turn(600)], vanishes=False)]
+    lease = run(scripts, "lease", limited)
+    assert lease["hit_rate"] == 0.0 and lease["expired"] == 1
+    # Held from the finish of turn 1 until the last renewal before 100 s idle plus one lease (<= 130 s).
+    assert 10 * 100 < lease["block_seconds"] <= 10 * 130
+    short_gap = [ScriptedConversation(turns=[turn(0), turn(90)], vanishes=False)]
+    assert run(short_gap, "lease", limited)["hit_rate"] == 1.0
