@@ -1,4 +1,4 @@
-"""Suite-wide: figures a test wants in the run's output (pytest hides a passing test's prints)."""
+"""Suite-wide: lines a test wants in the run's output (pytest hides a passing test's prints)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,34 @@ from typing import Any
 
 import pytest
 
-REPORT_KEY = pytest.StashKey[list[str]]()
+PLUGIN = "agentkv-summary"
+
+
+class Summary:
+    """Terminal-summary sections by title, printed in the order they were first written to.
+
+    Registered as a plugin so that other conftests reach it by name (conftests should not import each other):
+    ``config.pluginmanager.get_plugin(PLUGIN).section(title)``."""
+
+    def __init__(self) -> None:
+        self.sections: dict[str, list[str]] = {}
+
+    def section(self, title: str) -> list[str]:
+        return self.sections.setdefault(title, [])
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        for title, lines in self.sections.items():
+            if lines:
+                terminalreporter.section(title)
+                for line in lines:
+                    terminalreporter.write_line(line)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(Summary(), PLUGIN)
 
 
 @pytest.fixture
 def report(pytestconfig: pytest.Config) -> Any:
-    """``report("...")`` adds a line to the terminal summary of this run."""
-    lines = pytestconfig.stash.setdefault(REPORT_KEY, [])
-    return lines.append
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    del exitstatus
-    lines = config.stash.get(REPORT_KEY, [])
-    if lines:
-        terminalreporter.section("agentkv figures")
-        for line in lines:
-            terminalreporter.write_line(line)
+    """``report("...")`` adds a line to the "agentkv figures" summary of this run."""
+    return pytestconfig.pluginmanager.get_plugin(PLUGIN).section("agentkv figures").append

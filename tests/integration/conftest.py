@@ -94,14 +94,14 @@ def router_auto(cluster: Cluster) -> Iterator[RouterProc]:
 # When an integration test fails, CI shows only the end of the run's output: put the telling lines of the
 # engine and router logs written during that test there, so a failure seen only in CI can be diagnosed.
 _TELLING = re.compile(r"Traceback|Error|ERROR|timed out|timeout|abort|expired|Releasing|stuck|failed", re.I)
-_DIAG_KEY = pytest.StashKey[list[str]]()
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
     rep = yield
     if rep.failed and "tests/integration" in str(item.fspath):
-        lines = item.config.stash.setdefault(_DIAG_KEY, [])
+        summary = item.config.pluginmanager.get_plugin("agentkv-summary")
+        lines = summary.section("integration logs at failures")
         if len(lines) < 120:  # the first failures tell most; later ones are usually their consequence
             lines.append(f"--- {item.nodeid} ({rep.when}), logs written since it started:")
             lines += _telling_lines(since=call.start - 1)
@@ -117,12 +117,3 @@ def _telling_lines(*, since: float, per_file: int = 6) -> list[str]:
         hits = [ln.strip()[:220] for ln in text if _TELLING.search(ln)]
         out += [f"{log.relative_to(LOG_DIR)}: {ln}" for ln in hits[-per_file:]]
     return out
-
-
-def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    del exitstatus
-    lines = config.stash.get(_DIAG_KEY, [])
-    if lines:
-        terminalreporter.section("integration logs at failures")
-        for line in lines:
-            terminalreporter.write_line(line)
