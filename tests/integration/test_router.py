@@ -118,6 +118,12 @@ def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router
 def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
     d = cluster.decodes[0].spec
     assert d.service_url
+    # Earlier tests' leases run out on their own meanwhile; wait for them so that the counts below see only
+    # this conversation (once, a lease ending between the two reads made "retained" drop by 2).
+    deadline = time.monotonic() + 120  # test leases are 14 s; an SDK session may have extended one
+    while service_info(d.service_url)["retained"] > 0:
+        assert time.monotonic() < deadline, "leases of earlier tests did not run out"
+        time.sleep(0.5)
     cid = new_id("release")
     run_conversation(router.url, conversation_script(13, 1), conversation_id=cid)
     state = httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()
