@@ -1,0 +1,155 @@
+"""Exactness: are a reuse turn's logprobs bit-identical to a recompute's? (an open question of issue 5)
+
+    python -m bench.exactness                       # starts a 1P1D CPU cluster with the tiny model (~4 min)
+    python -m bench.exactness --on URL --off URL    # two routers in front of a running cluster
+
+Per seeded conversation: turn 1 through the reuse router, turn 2 (turn 1 + its answer + a tool result) through
+the reuse router and again through the no-reuse router, both greedy with ``logprobs`` and ``top_logprobs=2``.
+Reported per turn: whether the tokens are equal, the largest logprob difference, and the smallest top-1/top-2
+gap of the baseline (a near tie is where a tiny difference flips a greedy token). Caveat: both turn-2 requests
+run on the same decode, whose prefix cache the first one fills, so the baseline is not an independent
+computation of the shared blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._common import make_progress, print_table, write_results
+
+NAME = "exactness"
+_WORDS = "agent tool search file row column query report number answer table cache block".split()
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None) -> tuple[str, list[Any]]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+    }
+    headers = {"x-session-id": cid} if cid else {}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return choice["message"]["content"] or "", choice["logprobs"]["content"]
+
+
+def compare(on: str, off: str, model: str, seeds: range) -> list[dict[str, Any]]:
+    rows = []
+    with make_progress() as progress:
+        task = progress.add_task("conversations", total=len(seeds))
+        for seed in seeds:
+            rng = random.Random(seed)
+            cid = f"exact-{uuid.uuid4().hex[:12]}"
+            history = [{"role": "user", "content": uuid.uuid4().hex + " " + _text(rng, 150, 300)}]
+            answer, _ = _turn(on, model, history, cid)
+            history += [
+                {"role": "assistant", "content": answer},
+                {"role": "user", "content": _text(rng, 40, 120)},
+            ]
+            _, reused = _turn(on, model, history, cid)
+            _, baseline = _turn(off, model, history, None)
+            gaps = [abs(t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"]) for t in baseline]
+            rows.append(
+                {
+                    "seed": seed,
+                    "same_tokens": [t["token"] for t in reused] == [t["token"] for t in baseline],
+                    "max_logprob_diff": max(
+                        abs(a["logprob"] - b["logprob"]) for a, b in zip(reused, baseline, strict=False)
+                    ),
+                    "min_top2_gap": min(gaps) if gaps else None,
+                }
+            )
+            progress.advance(task)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--on", default=None, help="reuse router URL (with --off: attach instead of starting)")
+    ap.add_argument("--off", default=None, help="no-reuse router URL")
+    ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--model", default=".agentkv/models/tiny")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    seeds = range(700, 700 + args.seeds)
+    if args.on and args.off:
+        model = httpx.get(f"{args.on}/v1/models", timeout=10).json()["data"][0]["id"]
+        rows = compare(args.on, args.off, model, seeds)
+    else:
+        rows = _with_cluster(args, seeds)
+    exact = sum(r["max_logprob_diff"] == 0.0 for r in rows)
+    changed = sum(not r["same_tokens"] for r in rows)
+    print_table(
+        f"reuse vs recompute, turn 2: {exact} of {len(rows)} bit-identical, {changed} answers changed",
+        ["seed", "same tokens", "max |d logprob|", "min top-2 gap"],
+        [[r["seed"], r["same_tokens"], r["max_logprob_diff"], r["min_top2_gap"]] for r in rows],
+    )
+    write_results(NAME, {"turns": rows, "bit_identical": exact, "changed": changed}, out_dir=args.out)
+
+
+def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
+    import subprocess
+    import sys
+    import time
+
+    from agentkv.cli import ensure_tiny_model
+    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server._launcher import kill_group
+    from agentkv.server._model import tiny_serving
+
+    ensure_tiny_model(Path(args.model))
+    cfg = ClusterConfig(
+        model=args.model,
+        prefill_port=21600,
+        decode_port=21700,
+        router_port=None,
+        prefill_prefix_caching=False,
+        max_model_len=4096,
+        **tiny_serving(),
+        log_dir=Path(".agentkv/bench-logs/exactness"),
+    )
+    cluster = Cluster(config=cfg)
+    cluster.up()
+    procs = []
+    try:
+        urls = []
+        for port, extra in ((21601, []), (21602, ["--no-reuse"])):
+            argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port), "--path-policy"]
+            argv += ["always-pd", "--prefill", cluster.prefills[0].spec.url, "--decode"]
+            argv += [cluster.decodes[0].spec.url, *extra]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            for _ in range(200):
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.3)
+        model = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]
+        # The first pull in each direction pays NIXL's handshake: one throwaway conversation first.
+        compare(urls[0], urls[1], model, range(1))
+        return compare(urls[0], urls[1], model, seeds)
+    finally:
+        for proc in procs:
+            kill_group(proc.pid)
+        cluster.down()
+
+
+if __name__ == "__main__":
+    main()
