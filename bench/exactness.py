@@ -103,16 +103,13 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
-    import subprocess
-    import sys
-    import time
-
     from agentkv.cli import ensure_tiny_model
     from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._launcher import kill_group
     from agentkv.server._model import tiny_serving
+    from bench._servers import router_server
 
     ensure_tiny_model(Path(args.model))
+    logs = Path(".agentkv/bench-logs/exactness")
     cfg = ClusterConfig(
         model=args.model,
         prefill_port=21600,
@@ -121,33 +118,21 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
         prefill_prefix_caching=False,
         max_model_len=4096,
         **tiny_serving(),
-        log_dir=Path(".agentkv/bench-logs/exactness"),
+        log_dir=logs,
     )
     cluster = Cluster(config=cfg)
     cluster.up()
-    procs = []
     try:
-        urls = []
-        for port, extra in ((21601, []), (21602, ["--no-reuse"])):
-            argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port), "--path-policy"]
-            argv += ["always-pd", "--prefill", cluster.prefills[0].spec.url, "--decode"]
-            argv += [cluster.decodes[0].spec.url, *extra]
-            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, start_new_session=True))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:
-            for _ in range(200):
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(0.3)
-        model = httpx.get(f"{urls[0]}/v1/models", timeout=10).json()["data"][0]["id"]
-        # The first pull in each direction pays NIXL's handshake: one throwaway conversation first.
-        compare(urls[0], urls[1], model, range(1))
-        return compare(urls[0], urls[1], model, seeds)
+        urls = {"prefill_url": cluster.prefills[0].spec.url, "decode_url": cluster.decodes[0].spec.url}
+        on = router_server(port=21601, log_dir=logs / "on", path_policy="always-pd", **urls)
+        off = router_server(port=21602, log_dir=logs / "off", path_policy="always-pd", reuse=False, **urls)
+        with on, off:  # ServerProcess starts on enter and waits until healthy
+            on_url, off_url = (s.health_url.removesuffix("/health") for s in (on, off))
+            model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            # The first pull in each direction pays NIXL's handshake: one throwaway conversation first.
+            compare(on_url, off_url, model, range(1))
+            return compare(on_url, off_url, model, seeds)
     finally:
-        for proc in procs:
-            kill_group(proc.pid)
         cluster.down()
 
 

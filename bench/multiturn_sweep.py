@@ -313,7 +313,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
             if not rs:
                 continue
             for r in rs:  # results written before api_ms existed carry the whole hop here
-                if r.get("path") != "decode-local" and isinstance(r.get("p_engine_prefill_ms"), int | float):
+                if isinstance(r.get("p_engine_prefill_ms"), int | float):
                     r["p_api_ms"] = api_ms(r["prefill_ms"], r["p_queue_ms"], r["p_engine_prefill_ms"])
             for key in (
                 "ttft_ms",

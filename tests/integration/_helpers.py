@@ -79,7 +79,9 @@ def start_router(
     log: Path,
     args: list[str] = (),  # type: ignore[assignment]
     ready_s: float = 60,
+    env: dict[str, str] | None = None,
 ) -> RouterProc:
+    """A router subprocess, healthy within ``ready_s``; ``env`` adds AGENTKV_* settings to this process's."""
     if not port_is_free(port):
         raise RuntimeError(f"port {port} is taken before the router started (another test run still up?)")
     argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port)]
@@ -91,7 +93,11 @@ def start_router(
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_s

@@ -7,7 +7,6 @@ trust in ``remote_num_tokens`` changes answers for histories that do not extend 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,19 +67,15 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
 
 
 def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[RouterProc]:
-    os.environ.update(STOCK_ROUTER_ENV)
-    try:
-        r = start_router(
-            port=port,
-            prefill=[e.spec.url for e in stock.prefills],
-            decode=[e.spec.url for e in stock.decodes],
-            log=LOG_DIR / f"router-stock-{name}.log",
-            args=["--path-policy", "always-pd", *args],
-            ready_s=300,
-        )
-    finally:
-        for key in STOCK_ROUTER_ENV:
-            os.environ.pop(key, None)
+    r = start_router(
+        port=port,
+        prefill=[e.spec.url for e in stock.prefills],
+        decode=[e.spec.url for e in stock.decodes],
+        log=LOG_DIR / f"router-stock-{name}.log",
+        args=["--path-policy", "always-pd", *args],
+        ready_s=300,
+        env=STOCK_ROUTER_ENV,
+    )
     yield r
     r.stop()
 
