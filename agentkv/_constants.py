@@ -34,3 +34,5 @@ DEFAULT_ROUTER_PORT = 8000
 # Offset from a decode's HTTP port to its lease (retention) service port, used by the launcher.
 LEASE_PORT_OFFSET = 1000
 SIDE_CHANNEL_BASE_PORT = 5600
+# Key of the token fingerprints our connector adds to decode's kv_transfer_params (absent: a stock decode).
+FINGERPRINTS_KEY = "agentkv_block_hashes"

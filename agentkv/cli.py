@@ -209,6 +209,10 @@ def router(
     port: Annotated[int | None, typer.Option(help="Port (default 8000).")] = None,
     reuse: Annotated[bool | None, typer.Option(help="Reuse decode KV (off: every turn recomputes).")] = None,
     path_policy: Annotated[str | None, typer.Option(help="auto | always-pd | always-local")] = None,
+    exact: Annotated[
+        bool | None,
+        typer.Option(help="Answers bit-identical to a recompute (off: decode's own KV too, faster)."),
+    ] = None,
     prefix_guard: Annotated[
         bool | None, typer.Option(help="Router-side history check (the connector checks tokens too).")
     ] = None,
@@ -226,6 +230,7 @@ def router(
         "port": port,
         "reuse": reuse,
         "path_policy": path_policy,
+        "exact": exact,
         "store_url": store_url,
         "api_keys_file": api_keys_file,
         "session_header": session_header,

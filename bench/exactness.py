@@ -1,14 +1,15 @@
-"""Exactness: are a reuse turn's logprobs bit-identical to a recompute's? (an open question of issue 5)
+"""Exactness: are a reuse turn's logprobs bit-identical to a recompute's? (issue 5)
 
     python -m bench.exactness                       # starts a 1P1D CPU cluster with the tiny model (~4 min)
+    python -m bench.exactness --no-exact            # the reuse router not exact (decode reads its own cache)
     python -m bench.exactness --on URL --off URL    # two routers in front of a running cluster
 
-Per seeded conversation: turn 1 through the reuse router, turn 2 (turn 1 + its answer + a tool result) through
-the reuse router and again through the no-reuse router, both greedy with ``logprobs`` and ``top_logprobs=2``.
-Reported per turn: whether the tokens are equal, the largest logprob difference, and the smallest top-1/top-2
-gap of the baseline (a near tie is where a tiny difference flips a greedy token). Caveat: both turn-2 requests
-run on the same decode, whose prefix cache the first one fills, so the baseline is not an independent
-computation of the shared blocks.
+Per seeded conversation: three turns through the reuse router (each adds its answer and a tool result), each
+reuse turn repeated through the no-reuse router, all greedy with ``logprobs`` and ``top_logprobs=2``.
+Reported per reuse turn: whether the tokens are equal, the largest logprob difference, and the smallest
+top-1/top-2 gap of the baseline (a near tie is where a tiny difference flips a greedy token). The baseline
+router is always exact (it keeps decode's own prefix cache out of its decode hops), so it is an independent
+recompute; ``--no-exact`` makes only the reuse router let decode read its own prefix cache.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import make_progress, print_table, write_results
+from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 
 NAME = "exactness"
 _WORDS = "agent tool search file row column query report number answer table cache block".split()
@@ -35,7 +36,7 @@ def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None)
     body = {
         "model": model,
         "messages": messages,
-        "max_tokens": 12,
+        "max_tokens": 24,
         "temperature": 0,
         "logprobs": True,
         "top_logprobs": 2,
@@ -45,7 +46,7 @@ def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None)
     r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
     r.raise_for_status()
     choice = r.json()["choices"][0]
-    return choice["message"]["content"] or "", choice["logprobs"]["content"]
+    return choice["message"]["content"] or "", choice["logprobs"]["content"], r.headers.get("x-agentkv-reuse")
 
 
 def compare(on: str, off: str, model: str, seeds: range) -> list[dict[str, Any]]:
@@ -56,24 +57,29 @@ def compare(on: str, off: str, model: str, seeds: range) -> list[dict[str, Any]]
             rng = random.Random(seed)
             cid = f"exact-{uuid.uuid4().hex[:12]}"
             history = [{"role": "user", "content": uuid.uuid4().hex + " " + _text(rng, 150, 300)}]
-            answer, _ = _turn(on, model, history, cid)
-            history += [
-                {"role": "assistant", "content": answer},
-                {"role": "user", "content": _text(rng, 40, 120)},
-            ]
-            _, reused = _turn(on, model, history, cid)
-            _, baseline = _turn(off, model, history, None)
-            gaps = [abs(t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"]) for t in baseline]
-            rows.append(
-                {
-                    "seed": seed,
-                    "same_tokens": [t["token"] for t in reused] == [t["token"] for t in baseline],
-                    "max_logprob_diff": max(
-                        abs(a["logprob"] - b["logprob"]) for a, b in zip(reused, baseline, strict=False)
-                    ),
-                    "min_top2_gap": min(gaps) if gaps else None,
-                }
-            )
+            answer, _, _ = _turn(on, model, history, cid)
+            for turn in (2, 3):
+                history += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": _text(rng, 40, 120)},
+                ]
+                answer, reused, reuse = _turn(on, model, history, cid)
+                _, baseline, _ = _turn(off, model, history, None)
+                gaps = [
+                    abs(t["top_logprobs"][0]["logprob"] - t["top_logprobs"][1]["logprob"]) for t in baseline
+                ]
+                rows.append(
+                    {
+                        "seed": seed,
+                        "turn": turn,
+                        "reuse": reuse,
+                        "same_tokens": [t["token"] for t in reused] == [t["token"] for t in baseline],
+                        "max_logprob_diff": max(
+                            abs(a["logprob"] - b["logprob"]) for a, b in zip(reused, baseline, strict=False)
+                        ),
+                        "min_top2_gap": min(gaps) if gaps else None,
+                    }
+                )
             progress.advance(task)
     return rows
 
@@ -82,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--on", default=None, help="reuse router URL (with --off: attach instead of starting)")
     ap.add_argument("--off", default=None, help="no-reuse router URL")
-    ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--no-exact", dest="exact", action="store_false", help="the reuse router not exact")
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -92,14 +99,40 @@ def main(argv: list[str] | None = None) -> None:
         rows = compare(args.on, args.off, model, seeds)
     else:
         rows = _with_cluster(args, seeds)
-    exact = sum(r["max_logprob_diff"] == 0.0 for r in rows)
+    identical = sum(r["max_logprob_diff"] == 0.0 for r in rows)
     changed = sum(not r["same_tokens"] for r in rows)
+    hits = sum(r["reuse"] == "hit" for r in rows)
+    mode = "exact" if args.exact else "not exact"
     print_table(
-        f"reuse vs recompute, turn 2: {exact} of {len(rows)} bit-identical, {changed} answers changed",
-        ["seed", "same tokens", "max |d logprob|", "min top-2 gap"],
-        [[r["seed"], r["same_tokens"], r["max_logprob_diff"], r["min_top2_gap"]] for r in rows],
+        f"reuse vs recompute ({mode}): {identical} of {len(rows)} reuse turns bit-identical, "
+        f"{changed} answers changed, {hits} hits",
+        ["seed", "turn", "reuse", "same tokens", "max |d logprob|", "min top-2 gap"],
+        [
+            [r["seed"], r["turn"], r["reuse"], r["same_tokens"], r["max_logprob_diff"], r["min_top2_gap"]]
+            for r in rows
+        ],
     )
-    write_results(NAME, {"turns": rows, "bit_identical": exact, "changed": changed}, out_dir=args.out)
+    plot(rows, results_dir(NAME, args.out), title=f"reuse turns vs an independent recompute ({mode})")
+    write_results(
+        NAME,
+        {"exact": args.exact, "turns": rows, "bit_identical": identical, "changed": changed, "hits": hits},
+        out_dir=args.out,
+    )
+
+
+def plot(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
+    """Per reuse turn (2 and 3): how many were bit-identical, kept their tokens, were hits."""
+    labels = ["bit-identical logprobs", "same tokens", "reuse hit"]
+    series = {
+        f"turn {turn}": [
+            sum(r["max_logprob_diff"] == 0.0 for r in rows if r["turn"] == turn),
+            sum(r["same_tokens"] for r in rows if r["turn"] == turn),
+            sum(r["reuse"] == "hit" for r in rows if r["turn"] == turn),
+        ]
+        for turn in sorted({r["turn"] for r in rows})
+    }
+    n = max((sum(1 for r in rows if r["turn"] == t) for t in {r["turn"] for r in rows}), default=0)
+    return bar_chart(out / "exactness.png", title=title, labels=labels, series=series, ylabel=f"of {n} turns")
 
 
 def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
@@ -124,7 +157,8 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
     cluster.up()
     try:
         urls = {"prefill_url": cluster.prefills[0].spec.url, "decode_url": cluster.decodes[0].spec.url}
-        on = router_server(port=21601, log_dir=logs / "on", path_policy="always-pd", **urls)
+        # The baseline is always exact: an independent recompute that reads nothing decode computed.
+        on = router_server(port=21601, log_dir=logs / "on", path_policy="always-pd", exact=args.exact, **urls)
         off = router_server(port=21602, log_dir=logs / "off", path_policy="always-pd", reuse=False, **urls)
         with on, off:  # ServerProcess starts on enter and waits until healthy
             on_url, off_url = (s.health_url.removesuffix("/health") for s in (on, off))

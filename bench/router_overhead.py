@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     decode_url=decode_url,
                     log_dir=logs,
                     path_policy=args.router_path_policy,
+                    exact=args.router_path_policy != "always-local",  # decode-local is not exact
                 )
             spec = dataclasses.replace(base, url=f"http://127.0.0.1:{port}")
             stub_urls = {"prefill": prefill_url, "decode": decode_url}

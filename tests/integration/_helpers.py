@@ -120,12 +120,19 @@ def token_ids(choice: dict[str, Any]) -> list[int]:
     return [int(item["token"].split(":", 1)[1]) for item in content]
 
 
+def token_logprobs(choice: dict[str, Any]) -> list[float]:
+    """The chosen tokens' logprobs: equal floats mean the same KV and the same kernels, bit for bit."""
+    content = (choice.get("logprobs") or {}).get("content") or []
+    return [float(item["logprob"]) for item in content]
+
+
 @dataclass
 class Turn:
     ids: list[int]
     text: str
     headers: dict[str, str] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None  # what decode answered with (pd_turn only)
+    logprobs: list[float] = field(default_factory=list)  # non-streamed turns only
 
 
 def chat(
@@ -156,7 +163,12 @@ def chat(
         assert r.status_code == 200, r.text
         data = r.json()
         choice = data["choices"][0]
-        return Turn(token_ids(choice), choice["message"]["content"] or "", dict(r.headers))
+        return Turn(
+            token_ids(choice),
+            choice["message"]["content"] or "",
+            dict(r.headers),
+            logprobs=token_logprobs(choice),
+        )
     import json
 
     body["stream"] = True
@@ -244,6 +256,8 @@ def pd_turn(
             "logprobs": True,
             "return_tokens_as_token_ids": True,
             "kv_transfer_params": p.json()["kv_transfer_params"],
+            # As an exact router does: decode loads the whole prompt and reuses none of its own KV.
+            "cache_salt": f"direct-{rid}",
         },
         headers={"X-Request-Id": rid},
         timeout=HTTP_TIMEOUT_S,

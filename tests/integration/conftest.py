@@ -85,8 +85,18 @@ def router_off(cluster: Cluster) -> Iterator[RouterProc]:
 
 @pytest.fixture(scope="session")
 def router_auto(cluster: Cluster) -> Iterator[RouterProc]:
-    """Reuse ON with the router's own path choice (decode-local for short suffixes)."""
-    r = _router(cluster, 18002, "auto")
+    """Reuse ON with the router's own path choice, decode-local for short suffixes, which only a non-exact
+    router takes (decode then serves the prefix from KV it computed itself)."""
+    r = _router(cluster, 18002, "auto", "--no-exact")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session")
+def router_off_inexact(cluster: Cluster) -> Iterator[RouterProc]:
+    """Reuse OFF without exact mode: decode's prefix cache serves what it holds, as in stock P/D. The
+    baseline for the non-exact router, which computes with the same decode-held KV."""
+    r = _router(cluster, 18004, "off-inexact", "--no-reuse", "--no-exact", "--path-policy", "always-pd")
     yield r
     r.stop()
 

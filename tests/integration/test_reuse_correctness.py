@@ -1,4 +1,6 @@
-"""Issue 5: KV reuse never changes an answer (greedy token ids, reuse ON == reuse OFF), on the real engine.
+"""Issue 5: KV reuse never changes an answer (greedy token ids and their logprobs bit for bit, reuse ON ==
+reuse OFF), on the real engine. The OFF router is exact too, so decode recomputes nothing it held: it is an
+independent recompute, not one that shares decode's prefix cache with the reuse turn.
 
 Two ON routers: the default one (router-side history guard + token-exact check in our prefill connector),
 and one with the router guard off, so the connector's check alone must catch every edited history.
@@ -15,18 +17,21 @@ from agentkv.server._cluster import Cluster
 from ._cases import CASES
 from ._helpers import RouterProc, chat, conversation_script, metric, new_id, service_info
 
-Record = list[tuple[int, list[int]]]
+Record = list[tuple[int, list[int], list[float]]]
 
 
-def run_case(case: Callable[..., None], url: str, script: list[str]) -> tuple[Record, list[str]]:
-    """Run one case on one conversation id; return (request index, token ids) and the reuse headers."""
+def run_case(
+    case: Callable[..., None], url: str, script: list[str], *, logprobs: bool = True
+) -> tuple[Record, list[str]]:
+    """Run one case on one conversation id; return (request index, token ids, their logprobs) and the reuse
+    headers. Exact routers are compared on logprobs too (bit for bit); ``logprobs=False`` records ids only."""
     cid = new_id("case")
     record: Record = []
     reuse: list[str] = []
 
     def send(messages: list[dict[str, object]]) -> str:
         turn = chat(url, messages, conversation_id=cid)
-        record.append((len(record), turn.ids))
+        record.append((len(record), turn.ids, turn.logprobs if logprobs else []))
         reuse.append(turn.headers.get("x-agentkv-reuse", ""))
         return turn.text
 
@@ -88,8 +93,9 @@ def test_reuse_on_equals_off(
 
 
 def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
-    router_auto: RouterProc, router_off: RouterProc
+    router_auto: RouterProc, router_off_inexact: RouterProc
 ) -> None:
+    router_off = router_off_inexact  # decode-local is as exact as decode's own prefix cache, no more
     script = conversation_script(200, 1)
     long_doc = " ".join(conversation_script(201, 1)[0].split() * 3)  # ~1000+ tokens of new text
     cid = new_id("path")

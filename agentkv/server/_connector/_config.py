@@ -30,6 +30,9 @@ class ConnectorSettings:
     max_lease_s: float = 600.0
     prefix_check: bool = True  # False reproduces upstream (trusts remote_num_tokens)
     require_fingerprints: bool = False  # refuse pulls whose params carry no block fingerprints
+    # Also offer what decode computed itself (the last prompt token, the generated tokens): a few more
+    # tokens reused per turn, but not bit-identical to a recompute (see _hashing.prefill_computed_tokens).
+    offer_decoded: bool = False
     progress_delay_us: int = 1000  # NIXL progress thread sleep; vLLM/NIXL hard-code 0 (a busy core)
     restore_affinity: bool = True
     # Longest idle wait while the engine only holds retained blocks (ends early when a request arrives;
@@ -59,6 +62,7 @@ class ConnectorSettings:
             require_fingerprints=_bool(
                 get("require_fingerprints", cls.require_fingerprints), "agentkv_require_fingerprints"
             ),
+            offer_decoded=_bool(get("offer_decoded", cls.offer_decoded), "agentkv_offer_decoded"),
             progress_delay_us=int(get("progress_delay_us", cls.progress_delay_us)),
             restore_affinity=_bool(get("restore_affinity", cls.restore_affinity), "agentkv_restore_affinity"),
             idle_sleep_max_ms=float(get("idle_sleep_max_ms", cls.idle_sleep_max_ms)),

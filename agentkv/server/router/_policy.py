@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable
 from typing import Literal
 
+from agentkv._constants import FINGERPRINTS_KEY
+
 from ._backend import BackendState, Registration
 from ._prefix import Prefix
 
@@ -69,12 +71,17 @@ def assess_reuse(
     now: float,
     margin_s: float,
     check_prefix: bool = True,
+    exact: bool = False,
 ) -> ReuseVerdict:
     """Whether decode's retained blocks may be offered to P for this request.
 
     ``check_prefix=False`` leaves the (token-exact) check to our connector on prefill; it exists to test that
     check through the whole stack and for engines whose chat template rewrites history."""
     if not retained or prefix is None:
+        return "miss"
+    if exact and FINGERPRINTS_KEY not in retained:
+        # Only our connector offers prefill-computed KV alone; a stock decode's offer ends with the tokens it
+        # computed itself, which a recompute would not reproduce bit for bit.
         return "miss"
     if expires_at is None or now + margin_s >= expires_at:
         return "expired"
@@ -167,13 +174,16 @@ def choose_path(
     """Pick the cheapest path to the first token for this turn.
 
     Decode-local prefill stalls every stream running on that decode for the suffix's duration, so its
-    cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local."""
+    cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local (a negative cap:
+    never local at all, which exact mode uses)."""
     if not reuse_ok:
         return PathDecision(path="recompute", reason="no reusable blocks")
     if policy == "always-pd":
         return PathDecision(path="pull", reason="policy always-pd")
     if policy == "always-local":
         return PathDecision(path="decode-local", reason="policy always-local")
+    if local_max_tokens < 0:
+        return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
     if new_tokens > local_max_tokens:
         return PathDecision(path="pull", reason=f"suffix ~{new_tokens} tokens > local cap {local_max_tokens}")
     if model.pd.samples < _MIN_SAMPLES or model.local.samples < _MIN_SAMPLES:

@@ -146,6 +146,7 @@ class TurnRunner:
                 now=time.time(),
                 margin_s=self._s.expiry_margin_s,
                 check_prefix=self._s.prefix_guard,
+                exact=self._s.exact,
             )
         if not (self._s.reuse and locked):
             verdict = "miss"
@@ -159,7 +160,8 @@ class TurnRunner:
             reuse_ok=verdict == "ok",
             new_tokens=book.cost.estimate_tokens(new_chars),
             decode_outstanding=decode.outstanding,
-            local_max_tokens=self._s.decode_local_max_tokens,
+            # Exact mode never goes local: decode would serve the prefix from KV it computed itself.
+            local_max_tokens=-1 if self._s.exact else self._s.decode_local_max_tokens,
             model=book.cost,
         )
         book.decided(turn, decision)
@@ -209,7 +211,8 @@ class TurnRunner:
                 # P does not say whether it pulled; count the attempt as a hit of what decode held.
                 turn.reused_tokens = reusable_tokens(retained, turn.prompt_tokens)
         kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
-        return await self._open_decode(turn, decode_body(turn.body, kv), first=decode)
+        salt = f"agentkv-{turn.request_id}" if self._s.exact else None
+        return await self._open_decode(turn, decode_body(turn.body, kv, cache_salt=salt), first=decode)
 
     async def _open_decode(
         self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True

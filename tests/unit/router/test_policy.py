@@ -100,6 +100,10 @@ def test_assess_reuse() -> None:
         == "mismatch"
     )
     assert assess(body={"messages": BODY["messages"][:2]}) == "mismatch"  # nothing new after the prefix
+    # Exact mode pulls only what our connector offers (prefill-computed KV, fingerprinted); a stock decode's
+    # offer ends with KV it computed itself.
+    assert assess(exact=True) == "miss"
+    assert assess(exact=True, retained={**RETAINED, "agentkv_block_hashes": ["h0"]}) == "ok"
 
 
 def trained(pd: tuple[float, float], local: tuple[float, float]) -> CostModel:
@@ -138,6 +142,9 @@ def test_path_choice() -> None:
     assert decide(model, n=50, ok=False).path == "recompute"
     assert decide(model, n=50, policy="always-pd").path == "pull"
     assert decide(model, n=400, policy="always-local").path == "decode-local"
+    # Exact mode (a negative cap): never local, however cheap, since decode would reuse its own KV.
+    assert decide(model, n=50, cap=-1).path == "pull"
+    assert decide(CostModel(), n=50, cap=-1).path == "pull"
 
 
 def test_path_choice_before_costs_are_measured() -> None:

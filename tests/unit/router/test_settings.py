@@ -40,7 +40,9 @@ def test_from_file_toml_and_json_with_overrides(tmp_path) -> None:
     assert s.port == 20001 and s.timeouts.prefill_s == 9 and s.backends()[1][0].control_url == "http://c:3"
     js = tmp_path / "r.json"
     js.write_text(
-        json.dumps({"prefill": "http://p:1", "decode": ["http://d:2"], "path_policy": "always-local"})
+        json.dumps(
+            {"prefill": "http://p:1", "decode": ["http://d:2"], "path_policy": "always-local", "exact": False}
+        )
     )
     assert RouterSettings.from_file(js).path_policy == "always-local"
 
@@ -55,6 +57,7 @@ def test_from_file_toml_and_json_with_overrides(tmp_path) -> None:
         ({"prefill": ["p:1"], "decode": ["d:1"], "path_policy": "sometimes"}, "path_policy"),
         ({"prefill": ["p:1"], "decode": ["d:1"], "store_url": "memcached://x"}, "redis://"),
         ({"prefill": ["p:1"], "decode": ["d:1"], "lease_s": 700}, "max_lease_s"),
+        ({"prefill": ["p:1"], "decode": ["d:1"], "path_policy": "always-local"}, "needs exact=false"),
     ],
 )
 def test_readable_validation_errors(values: dict, message: str) -> None:

@@ -72,7 +72,8 @@ async def test_first_turn_shapes_both_hops_and_hides_internal_params(
 async def test_second_turn_sends_decodes_retained_params_to_prefill(
     engines: FakeEngines, make_client
 ) -> None:
-    async with make_client() as client:
+    engines.d_fingerprints = False  # a stock decode, which only a non-exact router pulls from
+    async with make_client(exact=False) as client:
         first = (await chat(client, USER1)).json()
         r = await chat(client, next_messages(USER1, first))
     assert r.headers["x-agentkv-reuse"] == "hit" and r.headers["x-agentkv-path"] == "pull"
@@ -94,6 +95,32 @@ async def test_second_turn_sends_decodes_retained_params_to_prefill(
     # not the 3 generated tokens, which can re-tokenize differently when sent back as text.
     assert p_params["remote_num_tokens"] == retained["remote_num_tokens"] - 3
     assert int(r.headers["x-agentkv-reused-tokens"]) == p_params["remote_num_tokens"]
+
+
+async def test_exact_mode_keeps_decodes_own_prefix_cache_out(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:  # exact is the default
+        first = (await chat(client, USER1, cache_salt="tenant-a")).json()
+        r = await chat(client, next_messages(USER1, first), cache_salt="tenant-a")
+    assert r.headers["x-agentkv-reuse"] == "hit"
+    # Decode gets a salt no earlier request had, so it loads every prompt token from prefill...
+    salts = [b["cache_salt"] for b in engines.completions("d0")]
+    assert len(set(salts)) == 2 and "tenant-a" not in salts
+    # ... while prefill keeps the client's salt (its own prefix cache holds only prefill-computed KV).
+    assert [b["cache_salt"] for b in engines.completions("p")] == ["tenant-a", "tenant-a"]
+
+
+async def test_exact_mode_pulls_nothing_from_a_stock_decode(engines: FakeEngines, make_client) -> None:
+    engines.d_fingerprints = False  # stock vLLM offers its generated tokens' KV too, which it computed itself
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+        assert r.headers["x-agentkv-reuse"] == "miss"
+        assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+    async with make_client(exact=False) as client:
+        first = (await chat(client, USER1, cid="c2")).json()
+        r = await chat(client, next_messages(USER1, first), cid="c2")
+        assert r.headers["x-agentkv-reuse"] == "hit"
+        assert all("cache_salt" not in b for b in engines.completions("d")[-2:])
 
 
 async def test_cached_tokens_from_prefill_decide_hit_or_declined(engines: FakeEngines, make_client) -> None:
@@ -359,8 +386,8 @@ async def test_engine_4xx_passes_through_sanitised_and_5xx_is_502(engines: FakeE
 
 async def test_decode_local_path_skips_prefill(engines: FakeEngines, make_client) -> None:
     # Decode (with our connector) holds more than the next prompt: the reuse reported is capped by it.
-    engines.d_generated_tokens, engines.d_fingerprints = 10_000, True
-    async with make_client(path_policy="always-local") as client:
+    engines.d_generated_tokens = 10_000
+    async with make_client(path_policy="always-local", exact=False) as client:
         first = (await chat(client, USER1)).json()
         r = await chat(client, next_messages(USER1, first))
     assert r.headers["x-agentkv-path"] == "decode-local" and r.headers["x-agentkv-reuse"] == "local"
@@ -391,7 +418,7 @@ async def test_concurrent_turns_of_one_conversation_are_serialised(engines: Fake
 async def test_decode_local_falls_back_to_prefill_when_sticky_decode_is_gone(
     engines: FakeEngines, make_client
 ) -> None:
-    async with make_client(path_policy="always-local") as client:
+    async with make_client(path_policy="always-local", exact=False) as client:
         first = (await chat(client, USER1)).json()
         engines.down.add("d0.test")
         r = await chat(client, next_messages(USER1, first))

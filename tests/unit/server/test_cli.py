@@ -143,11 +143,13 @@ def test_router_flags_reach_the_settings(tripwires: list[Any]) -> None:
         "--path-policy",
         "always-pd",
         "--no-reuse",
+        "--no-exact",
         "--port",
         "9000",
     )
     assert result.exit_code == 0, result.output
     [settings] = tripwires
+    assert settings.exact is False
     assert settings.prefill == ["http://127.0.0.1:8100", "127.0.0.1:8101"]
     assert settings.decode == ["http://127.0.0.1:8200"]
     assert (settings.path_policy, settings.reuse, settings.port) == ("always-pd", False, 9000)
