@@ -8,7 +8,7 @@ router reuse off) and ON (true on both, reuse on). Prefill runs without prefix c
 cache-eviction case the published benchmark emulates), so every reused token comes from decode. A third,
 optional leg ``floor`` measures what reuse can at best achieve: OFF with prefill's own prefix cache on, so
 turn N's prefill computes only what is new since turn N-1, over the same context, with no transfer (it
-computes up to one block more than ON, whose reuse also covers the last answer's partial block).
+computes up to one block more than ON, whose reuse also covers the previous prompt's partial last block).
 
 Per turn, prefill's and decode's engine histograms split the time: engine queue (for a request with remote
 KV this is the wait for the transfer and the steps around it), engine prefill compute, and the rest of the

@@ -1,7 +1,9 @@
 """The router-side prefix guard: a new turn may reuse decode's blocks only if it extends the last turn.
 
-Stored per conversation is a fingerprint (hash + length) of the previous prompt followed by what decode
-generated, never the text itself, so 100k conversations stay small."""
+Stored per conversation is a fingerprint (hash + length) of the previous prompt, followed by what decode
+generated unless the router is exact (decode then offers only the prompt's KV, so only the prompt must be
+extended: a client that strips or rewrites the last answer still reuses it), never the text itself, so 100k
+conversations stay small."""
 
 from __future__ import annotations
 
@@ -68,37 +70,44 @@ class Prefix:
     items: int
     chars: int
     digest: str
+    # The previous prompt alone: a request that repeats it (a regenerate) extends it as well.
+    prompt_only: bool = False
 
     @classmethod
-    def of_turn(cls, body: dict[str, Any], generated: dict[str, Any]) -> Prefix | None:
-        """The prefix the next turn must start with. `generated` is decode's assistant message."""
+    def of_turn(
+        cls, body: dict[str, Any], generated: dict[str, Any], *, prompt_only: bool = False
+    ) -> Prefix | None:
+        """The prefix the next turn must start with. `generated` is decode's assistant message, left out
+        with `prompt_only` (what an exact router stores: decode offers no KV of the answer)."""
         if isinstance(body.get("messages"), list):
-            messages = [m for m in body["messages"] if isinstance(m, dict)] + [generated]
-            return cls._of_messages(messages)
+            messages = [m for m in body["messages"] if isinstance(m, dict)]
+            return cls._of_messages(messages if prompt_only else [*messages, generated], prompt_only)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             return None  # token-id prompts cannot be checked on text; such turns are not reused
-        return cls._of_text(prompt + (generated.get("content") or ""))
+        return cls._of_text(prompt if prompt_only else prompt + (generated.get("content") or ""), prompt_only)
 
     @classmethod
-    def _of_messages(cls, messages: list[dict[str, Any]]) -> Prefix:
+    def _of_messages(cls, messages: list[dict[str, Any]], prompt_only: bool = False) -> Prefix:
         h = hashlib.sha256()
         chars = 0
         for m in messages:
             enc = _encode(m)
             chars += len(enc)
             h.update(len(enc).to_bytes(8, "big") + enc)
-        return cls(items=len(messages), chars=chars, digest=h.hexdigest())
+        return cls(items=len(messages), chars=chars, digest=h.hexdigest(), prompt_only=prompt_only)
 
     @classmethod
-    def _of_text(cls, text: str) -> Prefix:
-        return cls(items=-1, chars=len(text), digest=hashlib.sha256(text.encode()).hexdigest())
+    def _of_text(cls, text: str, prompt_only: bool = False) -> Prefix:
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        return cls(items=-1, chars=len(text), digest=digest, prompt_only=prompt_only)
 
     def matches(self, body: dict[str, Any]) -> bool:
-        """Whether the new request starts with exactly this prefix (and adds something after it)."""
+        """Whether the new request starts with exactly this prefix (and adds something after it, unless the
+        prefix is a prompt alone)."""
         if isinstance(body.get("messages"), list):
             messages = body["messages"]
-            if self.items < 0 or len(messages) <= self.items:
+            if self.items < 0 or len(messages) < self.items + (0 if self.prompt_only else 1):
                 return False
             return self._of_messages(messages[: self.items]).digest == self.digest
         prompt = body.get("prompt")
@@ -111,10 +120,20 @@ class Prefix:
         return max(prompt_chars(body) - self.chars, 0)
 
     def to_json(self) -> dict[str, Any]:
-        return {"items": self.items, "chars": self.chars, "digest": self.digest}
+        return {
+            "items": self.items,
+            "chars": self.chars,
+            "digest": self.digest,
+            "prompt_only": self.prompt_only,
+        }
 
     @classmethod
     def from_json(cls, data: Any) -> Prefix | None:
         if not isinstance(data, dict):
             return None
-        return cls(items=int(data["items"]), chars=int(data["chars"]), digest=str(data["digest"]))
+        return cls(
+            items=int(data["items"]),
+            chars=int(data["chars"]),
+            digest=str(data["digest"]),
+            prompt_only=bool(data.get("prompt_only", False)),
+        )

@@ -95,7 +95,7 @@ class TurnBook:
             expires_at=expires_at,
             lease_state=state,
             retained_tokens=tokens,
-            prefix=Prefix.of_turn(turn.body, output.assistant_message()),
+            prefix=Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self.settings.exact),
         )
 
     def keeps(self, turn: Turn) -> bool:

@@ -141,12 +141,25 @@ async def test_no_reuse_when_prefix_was_edited(engines: FakeEngines, make_client
     async with make_client() as client:
         first = (await chat(client, USER1)).json()
         edited = next_messages(USER1, first)
-        edited[1] = {"role": "assistant", "content": "something decode never said"}
+        edited[0] = {"role": "user", "content": "list the files, please"}
         r = await chat(client, edited)
         metrics = (await client.get("/metrics")).text
     assert r.headers["x-agentkv-reuse"] == "mismatch" and r.headers["x-agentkv-path"] == "recompute"
     assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
     assert 'agentkv_reuse_total{result="mismatch"} 1.0' in metrics
+
+
+async def test_edited_answer_still_reuses_the_prompt_only_when_exact(
+    engines: FakeEngines, make_client
+) -> None:
+    # Exact offers hold the previous prompt's KV alone; a non-exact router also relies on the answer.
+    for exact, verdict in ((True, "hit"), (False, "mismatch")):
+        async with make_client(exact=exact) as client:
+            first = (await chat(client, USER1, cid=f"c-{exact}")).json()
+            edited = next_messages(USER1, first)
+            edited[1] = {"role": "assistant", "content": "something decode never said"}
+            r = await chat(client, edited, cid=f"c-{exact}")
+        assert r.headers["x-agentkv-reuse"] == verdict, exact
 
 
 async def test_round_tripped_assistant_message_still_matches(engines: FakeEngines, make_client) -> None:
