@@ -60,6 +60,9 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         prefill_prefix_caching=False,
         agentkv_connector=False,
         decoder_kv_blocks_ttl=ENGINE_TTL_S,
+        # A starved stock decode's API server once needed more than vLLM's 30 s to render a chat template and
+        # answered HTTP 500 ("Chat template rendering timed out", 2026-12-01): the same room as the deadlines.
+        env={"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "600"},
         max_model_len=4096,
         log_dir=LOG_DIR / "stock",
     )
