@@ -97,14 +97,18 @@ def test_reuse_on_equals_off(
 
 
 def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
-    router_auto: RouterProc, router_off_inexact: RouterProc
+    router_auto: RouterProc, router_off_inexact: RouterProc, report: Callable[[str], None]
 ) -> None:
-    router_off = router_off_inexact  # decode-local is as exact as decode's own prefix cache, no more
+    """The non-exact router's path choice. Decode-local is not bit-exact by construction (decode computes the
+    last prompt token inside its prefill chunk; a P/D turn computes it alone on decode, with other kernels),
+    so its answers are compared by the first token's logprob: equal up to bf16 rounding over the right KV,
+    far off over wrong KV. Whether all token ids agreed is reported."""
+    router_off = router_off_inexact
     script = conversation_script(200, 1)
     long_doc = " ".join(conversation_script(201, 1)[0].split() * 3)  # ~1000+ tokens of new text
     cid = new_id("path")
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
-    paths, ids_on, ids_off = [], [], []
+    paths, turns = [], []
     steps = [{"role": "user", "content": "tool result: 7 rows"}, {"role": "user", "content": long_doc}]
     for step in [None, *steps]:
         if step is not None:
@@ -112,10 +116,13 @@ def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
         on = chat(router_auto.url, h, conversation_id=cid)
         off = chat(router_off.url, h)
         paths.append(on.headers.get("x-agentkv-path"))
-        ids_on.append(on.ids)
-        ids_off.append(off.ids)
+        turns.append((on, off))
         h.append({"role": "assistant", "content": on.text})
     assert paths[1] == "decode-local", paths
     assert paths[2] in ("pull", "recompute"), paths
-    assert ids_on == ids_off
+    assert turns[0][0].ids == turns[0][1].ids  # nothing reused yet
+    for on, off in turns[1:]:
+        assert abs(on.logprobs[0] - off.logprobs[0]) < 0.05, (on.logprobs[:3], off.logprobs[:3])
     assert metric(router_auto.url, "agentkv_path_decisions_total", path="decode-local") >= 1
+    same = [on.ids == off.ids for on, off in turns]
+    report(f"path choice (not exact): {paths}, token ids equal to OFF: {same}")
