@@ -171,7 +171,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             new_tokens=request.num_prompt_tokens - max(verified, num_computed),
             context=request.num_prompt_tokens,
         )
-        allowed = verified if pull else 0
+        # At least two tokens left to compute: a one-token step (a regenerate with the router guard off) takes
+        # the decode-path kernels, and prefill's prefix cache would keep that KV for later turns.
+        allowed = min(verified, max(0, request.num_prompt_tokens - 2)) if pull else 0
         # Trim in place: vLLM reads remote_num_tokens and remote_block_ids from these params. The block
         # list is cut even when every offered token is pulled: vLLM's reader end-aligns the remote list to
         # its own blocks, so one remote block past the tokens read (a stock decode's generated tokens, a

@@ -3,7 +3,7 @@
 Stored per conversation is a fingerprint (hash + length) of the previous prompt, followed by what decode
 generated unless the router is exact (decode then offers only the prompt's KV, so only the prompt must be
 extended: a client that strips or rewrites the last answer still reuses it), never the text itself, so 100k
-conversations stay small."""
+conversations stay small. A regenerate (the same request again) extends nothing and is not reused."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ class Prefix:
     items: int
     chars: int
     digest: str
-    # The previous prompt alone: a request that repeats it (a regenerate) extends it as well.
+    # The previous prompt alone (what an exact router stores). A request that merely repeats it (a regenerate)
+    # still does not match: prefill would compute its one remaining token alone, on the decode-path kernels,
+    # and with its prefix cache on could cache that KV for later turns.
     prompt_only: bool = False
 
     @classmethod
@@ -103,15 +105,14 @@ class Prefix:
         return cls(items=-1, chars=len(text), digest=digest, prompt_only=prompt_only)
 
     def matches(self, body: dict[str, Any]) -> bool:
-        """Whether the new request starts with exactly this prefix (and adds something after it, unless the
-        prefix is a prompt alone)."""
+        """Whether the new request starts with exactly this prefix and adds something after it."""
         if isinstance(body.get("messages"), list):
             messages = body["messages"]
-            if self.items < 0 or len(messages) < self.items + (0 if self.prompt_only else 1):
+            if self.items < 0 or len(messages) <= self.items:
                 return False
             return self._of_messages(messages[: self.items]).digest == self.digest
         prompt = body.get("prompt")
-        if self.items >= 0 or not isinstance(prompt, str) or len(prompt) < self.chars:
+        if self.items >= 0 or not isinstance(prompt, str) or len(prompt) <= self.chars:
             return False
         return self._of_text(prompt[: self.chars]).digest == self.digest
 

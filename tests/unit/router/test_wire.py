@@ -144,7 +144,7 @@ def test_prefix_fingerprint() -> None:
 
 def test_prompt_only_prefix_lets_the_last_answer_change() -> None:
     # An exact router offers only the previous prompt's KV, so only the prompt must be extended: a client that
-    # strips reasoning from the answer, or regenerates it (the same request again), still reuses it.
+    # strips reasoning from the answer still reuses it. The same request again (a regenerate) does not.
     first = [{"role": "user", "content": "q"}]
     prefix = Prefix.of_turn(
         {"messages": first}, {"role": "assistant", "content": "long answer"}, prompt_only=True
@@ -152,9 +152,10 @@ def test_prompt_only_prefix_lets_the_last_answer_change() -> None:
     assert prefix is not None and prefix.prompt_only
     stripped = [*first, {"role": "assistant", "content": "answer"}, {"role": "user", "content": "next"}]
     assert prefix.matches({"messages": stripped})
-    assert prefix.matches({"messages": first})  # a regenerate
+    assert not prefix.matches({"messages": first})  # a regenerate: prefill would compute one token alone
     assert not prefix.matches({"messages": [{"role": "user", "content": "q!"}, *stripped[1:]]})
     assert Prefix.from_json(prefix.to_json()) == prefix
     assert Prefix.from_json({"items": 1, "chars": 2, "digest": "d"}) == Prefix(items=1, chars=2, digest="d")
     text = Prefix.of_turn({"prompt": "abc"}, {"content": "xyz"}, prompt_only=True)
-    assert text is not None and text.matches({"prompt": "abc, then"}) and not text.matches({"prompt": "ab"})
+    assert text is not None and text.matches({"prompt": "abc, then"})
+    assert not text.matches({"prompt": "abc"}) and not text.matches({"prompt": "ab"})
