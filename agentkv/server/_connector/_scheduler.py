@@ -42,7 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentKVScheduler"]
 
 logger = logging.getLogger("agentkv.connector")
-FINGERPRINTS = FINGERPRINTS_KEY
 TAIL = "agentkv_tail_hash"
 SERVICE = "agentkv_service"
 RETAIN = "agentkv_retain"
@@ -148,7 +147,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.stats["tokens_offered"] += offered
         verified = offered
         refused = ""  # why the offer was cut, for the log line
-        theirs = params.get(FINGERPRINTS)
+        theirs = params.get(FINGERPRINTS_KEY)
         if self.agentkv.prefix_check and not self._still_held(params):
             verified, refused = 0, "released"
             self.stats["refused_released"] += 1
@@ -174,13 +173,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         # At least two tokens left to compute: a one-token step (a regenerate with the router guard off) takes
         # the decode-path kernels, and prefill's prefix cache would keep that KV for later turns.
         allowed = min(verified, max(0, request.num_prompt_tokens - 2)) if pull else 0
-        # Trim in place: vLLM reads remote_num_tokens and remote_block_ids from these params. The block
-        # list is cut even when every offered token is pulled: vLLM's reader end-aligns the remote list to
-        # its own blocks, so one remote block past the tokens read (a stock decode's generated tokens, a
-        # router that trimmed tokens only) would shift every block read by one.
-        n_blocks = -(-allowed // self.block_size)
-        params["remote_num_tokens"] = allowed
-        params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
+        # Cut even when every offered token is pulled: a stock decode's list runs on over its generated
+        # tokens, and a router may have trimmed the tokens only.
+        _cut_offer(params, allowed, self.block_size)
         self.stats["pulls" if pull else "recomputes"] += 1
         self.stats["tokens_pulled"] += max(0, allowed - num_computed)
         self.stats["tokens_refused"] += offered - allowed
@@ -235,11 +230,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             n = int(params.get("remote_num_tokens") or 0)
             if not self.agentkv.offer_decoded:
                 n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
-                n_blocks = -(-n // self.block_size)
-                # vLLM's reader end-aligns remote blocks to its own: the list must end where the offer does.
-                params["remote_num_tokens"] = n
-                params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
-            params[FINGERPRINTS] = block_fingerprints(request.all_token_ids, self.block_size, limit_tokens=n)
+                _cut_offer(params, n, self.block_size)
+            params[FINGERPRINTS_KEY] = block_fingerprints(
+                request.all_token_ids, self.block_size, limit_tokens=n
+            )
             params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
             self.stats["retained"] += 1
             if self.leases is not None:
@@ -309,6 +303,18 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         if self.service is not None:
             self.service.stop()
         super().shutdown()
+
+
+def _cut_offer(params: dict[str, Any], num_tokens: int, block_size: int) -> None:
+    """Make decode's params offer exactly the first ``num_tokens`` tokens, in place (vLLM reads
+    ``remote_num_tokens`` and ``remote_block_ids`` from them).
+
+    The block list must end where the tokens do: vLLM's reader end-aligns the remote list to its own blocks
+    (``_apply_prefix_caching``), so one remote block too many would shift every block read by one.
+    """
+    n_blocks = -(-num_tokens // block_size)
+    params["remote_num_tokens"] = num_tokens
+    params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
 
 
 def _mean_position(scheduler_output: Any) -> float:
