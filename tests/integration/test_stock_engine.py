@@ -69,14 +69,14 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
     yield from running(cfg)
 
 
-def _router(stock: Cluster, port: int, name: str, *args: str) -> Iterator[RouterProc]:
+def _router(stock: Cluster, port: int, name: str, *args: str, exact: bool = False) -> Iterator[RouterProc]:
     r = start_router(
         port=port,
         prefill=[e.spec.url for e in stock.prefills],
         decode=[e.spec.url for e in stock.decodes],
         log=LOG_DIR / f"router-stock-{name}.log",
-        # Not exact: a stock decode offers KV it computed itself, which an exact router never pulls.
-        args=["--path-policy", "always-pd", "--no-exact", *args],
+        # Not exact unless asked: a stock decode offers KV it computed itself, which exact routers never pull.
+        args=["--path-policy", "always-pd", *([] if exact else ["--no-exact"]), *args],
         ready_s=300,
         env=STOCK_ROUTER_ENV,
     )
@@ -106,6 +106,20 @@ def test_guarded_router_on_stock_engines_keeps_answers(
     off, _ = run_case(assistant_text_shortened, stock_off.url, script, logprobs=False)
     on, reuse = run_case(assistant_text_shortened, stock_router.url, script, logprobs=False)
     assert on == off and "mismatch" in reuse
+
+
+def test_exact_router_pulls_nothing_from_a_stock_decode(stock: Cluster, stock_off: RouterProc) -> None:
+    # The default router: a stock decode's offer ends with KV it computed itself, so it is never pulled.
+    for exact in _router(stock, 28003, "exact", exact=True):
+        cid = new_id("exact")
+        script = conversation_script(330, 2)
+        h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+        first = chat(exact.url, h, conversation_id=cid)
+        h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+        second = chat(exact.url, h, conversation_id=cid)
+        assert second.headers.get("x-agentkv-reuse") == "miss", second.headers.get("x-agentkv-reuse")
+        assert second.headers.get("x-agentkv-reused-tokens") == "0"
+        assert second.ids == chat(stock_off.url, h).ids
 
 
 def test_fixed_ttl_reported_and_late_turn_recomputes(
