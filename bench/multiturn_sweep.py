@@ -237,8 +237,8 @@ def run_leg(
                     ),
                     flush=True,
                 )
-            # Close the conversation as the SDK's Session.close does: decode releases its lease at once, so the
-            # next conversation finds decode's KV free (on a 32B shape one retained 24k-token turn fills it).
+            # Close the conversation as the SDK's Session.close does: decode releases its lease at once, so
+            # the next conversation finds decode's KV free (on a 32B shape one retained 24k turn fills it).
             httpx.delete(f"{router}/v1/conversations/{cid}", timeout=30)
     return rows
 
