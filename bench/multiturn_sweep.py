@@ -389,7 +389,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         )
         if s.get("prefill_ms_floor"):
             ax.hlines(s["prefill_ms_floor"], i, i + 0.4, colors="black", label="floor" if i == 0 else None)
-    ax.set_xticks(range(len(summary)), [str(x) for x in xs])
+    ax.set_xticks(range(len(summary)), [f"{x:,.0f}" for x in xs])
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill ms (median)")
     ax.set_title(f"Prefill time, OFF vs ON ({tag})")
@@ -488,6 +488,8 @@ def main(argv: list[str] | None = None) -> None:
             "requests": rows,
             "summary": summarize(rows, shape),
             "merged_from": [d.get("command") for d in docs],
+            # The runs' own engines and host (the device's vLLM/NIXL), not this machine's.
+            "merged_versions": [d.get("versions") for d in docs],
         }
         from bench._common import write_results
 
