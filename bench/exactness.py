@@ -28,8 +28,12 @@ NAME = "exactness"
 _WORDS = "agent tool search file row column query report number answer table cache block".split()
 
 
-def _text(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(rng.randint(lo, hi)))
+def _text(rng: random.Random, lo: int, hi: int, *, words: list[str] | None) -> str:
+    """Random words; ``words=None``: the GPU model's vocabulary ("w<id>", one token each)."""
+    n = rng.randint(lo, hi)
+    if words is None:
+        return " ".join(f"w{rng.randint(10, 150_000)}" for _ in range(n))
+    return " ".join(rng.choice(words) for _ in range(n))
 
 
 def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None) -> tuple[str, list[Any]]:
@@ -49,19 +53,22 @@ def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None)
     return choice["message"]["content"] or "", choice["logprobs"]["content"], r.headers.get("x-agentkv-reuse")
 
 
-def compare(on: str, off: str, model: str, seeds: range) -> list[dict[str, Any]]:
+def compare(
+    on: str, off: str, model: str, seeds: range, *, words: list[str] | None = _WORDS
+) -> list[dict[str, Any]]:
     rows = []
     with make_progress() as progress:
         task = progress.add_task("conversations", total=len(seeds))
         for seed in seeds:
             rng = random.Random(seed)
             cid = f"exact-{uuid.uuid4().hex[:12]}"
-            history = [{"role": "user", "content": uuid.uuid4().hex + " " + _text(rng, 150, 300)}]
+            first = uuid.uuid4().hex + " " + _text(rng, 150, 300, words=words)
+            history = [{"role": "user", "content": first}]
             answer, _, _ = _turn(on, model, history, cid)
             for turn in (2, 3):
                 history += [
                     {"role": "assistant", "content": answer},
-                    {"role": "user", "content": _text(rng, 40, 120)},
+                    {"role": "user", "content": _text(rng, 40, 120, words=words)},
                 ]
                 answer, reused, reuse = _turn(on, model, history, cid)
                 _, baseline, _ = _turn(off, model, history, None)
@@ -92,11 +99,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-exact", dest="exact", action="store_false", help="the reuse router not exact")
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="gpu: the H200, dummy weights")
+    ap.add_argument("--engine-arg", action="append", default=[], help="extra vLLM flag (repeat)")
+    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args(argv)
     seeds = range(700, 700 + args.seeds)
     if args.on and args.off:
         model = httpx.get(f"{args.on}/v1/models", timeout=10).json()["data"][0]["id"]
-        rows = compare(args.on, args.off, model, seeds)
+        rows = compare(args.on, args.off, model, seeds, words=_words(args.device))
     else:
         rows = _with_cluster(args, seeds)
     identical = sum(r["max_logprob_diff"] == 0.0 for r in rows)
@@ -113,11 +124,13 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     plot(rows, results_dir(NAME, args.out), title=f"reuse turns vs an independent recompute ({mode})")
-    write_results(
-        NAME,
-        {"exact": args.exact, "turns": rows, "bit_identical": identical, "changed": changed, "hits": hits},
-        out_dir=args.out,
-    )
+    data = {"exact": args.exact, "turns": rows, "bit_identical": identical, "changed": changed, "hits": hits}
+    write_results(NAME, {**data, "device": args.device, "engine_env": args.env}, out_dir=args.out)
+
+
+def _words(device: str) -> list[str] | None:
+    # The GPU model's tokenizer knows "w<id>" words only; the tiny CPU model's BPE knows English.
+    return None if device == "gpu" else _WORDS
 
 
 def plot(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
@@ -141,7 +154,12 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
     from agentkv.server._model import tiny_serving
     from bench._servers import router_server
 
-    ensure_tiny_model(Path(args.model))
+    serving: dict[str, Any] = {"device": "gpu"}
+    if args.device == "cpu":
+        ensure_tiny_model(Path(args.model))
+        serving = tiny_serving()
+    serving["extra_args"] = [*serving.get("extra_args", []), *args.engine_arg]
+    serving["env"] = {**serving.get("env", {}), **dict(e.split("=", 1) for e in args.env)}
     logs = Path(".agentkv/bench-logs/exactness")
     cfg = ClusterConfig(
         model=args.model,
@@ -149,8 +167,8 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
         decode_port=21700,
         router_port=None,
         prefill_prefix_caching=False,
-        max_model_len=4096,
-        **tiny_serving(),
+        max_model_len=args.max_model_len,
+        **serving,
         log_dir=logs,
     )
     cluster = Cluster(config=cfg)
@@ -164,8 +182,9 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
             on_url, off_url = (s.health_url.removesuffix("/health") for s in (on, off))
             model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]
             # The first pull in each direction pays NIXL's handshake: one throwaway conversation first.
-            compare(on_url, off_url, model, range(1))
-            return compare(on_url, off_url, model, seeds)
+            words = _words(args.device)
+            compare(on_url, off_url, model, range(1), words=words)
+            return compare(on_url, off_url, model, seeds, words=words)
     finally:
         cluster.down()
 

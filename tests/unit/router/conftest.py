@@ -47,6 +47,9 @@ class FakeEngines:
         self.retained: dict[str, dict[str, Any]] = {}  # decode request id -> retained params
         self.released: list[str] = []
         self.renewed: list[tuple[str, float]] = []
+        # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
+        # D's retained block lists cover its tokens in blocks of this size.
+        self.block_size: int | None = 4
 
     def requests(self, host_prefix: str, path: str | None = None) -> list[tuple[Any, httpx.Headers]]:
         return [
@@ -72,6 +75,9 @@ class FakeEngines:
             return self._control(host, request.method, path, body)
         if path == "/health":
             return httpx.Response(200)
+        if path == "/metrics":
+            info = f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto"}} 1.0\n'
+            return httpx.Response(200, text="# vllm\n" + (info if self.block_size else ""))
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
         if host in self.status:
@@ -108,16 +114,17 @@ class FakeEngines:
         )
 
     def _retain(self, host: str, rid: str, body: dict[str, Any]) -> dict[str, Any]:
+        tokens = prompt_tokens_of(body) + self.d_generated_tokens
         params = {
             "do_remote_prefill": False,
             "do_remote_decode": True,
-            "remote_block_ids": [[10, 11, 12]],
+            "remote_block_ids": [list(range(10, 10 - (-tokens // (self.block_size or 4))))],
             "remote_engine_id": self.engine_id[host],
             "remote_request_id": f"chatcmpl-{rid}",
             "remote_host": "10.9.9.2",
             "remote_port": 5601,
             "tp_size": 1,
-            "remote_num_tokens": prompt_tokens_of(body) + self.d_generated_tokens,
+            "remote_num_tokens": tokens,
             "remote_blocks_expiry_time": 12345.0,
         }
         if self.d_fingerprints:

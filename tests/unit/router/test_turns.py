@@ -79,22 +79,32 @@ async def test_second_turn_sends_decodes_retained_params_to_prefill(
     assert r.headers["x-agentkv-reuse"] == "hit" and r.headers["x-agentkv-path"] == "pull"
     retained = next(iter(engines.retained.values()))
     p_params = engines.completions("p")[1]["kv_transfer_params"]
-    for key in (
-        "remote_block_ids",
-        "remote_engine_id",
-        "remote_request_id",
-        "remote_host",
-        "remote_port",
-        "tp_size",
-    ):
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"):
         assert p_params[key] == retained[key]
     assert p_params["do_remote_decode"] is True and p_params["do_remote_prefill"] is False
     # The sticky decode served both turns.
     assert len(engines.requests("d0", CHAT)) == 2
     # This fake decode sends no token fingerprints (like stock vLLM): only turn 1's prompt may be pulled,
     # not the 3 generated tokens, which can re-tokenize differently when sent back as text.
-    assert p_params["remote_num_tokens"] == retained["remote_num_tokens"] - 3
-    assert int(r.headers["x-agentkv-reused-tokens"]) == p_params["remote_num_tokens"]
+    prompt = retained["remote_num_tokens"] - 3
+    assert p_params["remote_num_tokens"] == prompt
+    assert int(r.headers["x-agentkv-reused-tokens"]) == prompt
+    # ...and the block list ends where those tokens do (block size 4 from decode's /metrics): a stock prefill
+    # end-aligns the list, so a longer one would be read shifted by a block.
+    n_blocks = -(-prompt // 4)
+    assert len(retained["remote_block_ids"][0]) > n_blocks
+    assert p_params["remote_block_ids"] == [retained["remote_block_ids"][0][:n_blocks]]
+
+
+async def test_stock_decode_of_unknown_block_size_is_not_pulled(engines: FakeEngines, make_client) -> None:
+    # Without decode's block size the router cannot cut the offer's block list to the prompt: no reuse.
+    engines.d_fingerprints, engines.block_size = False, None
+    async with make_client(exact=False) as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+        assert r.headers["x-agentkv-reuse"] != "hit" and r.headers["x-agentkv-reused-tokens"] == "0"
+        assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+        assert r.status_code == 200
 
 
 async def test_exact_mode_keeps_decodes_own_prefix_cache_out(engines: FakeEngines, make_client) -> None:
@@ -250,7 +260,8 @@ async def test_streaming_passthrough_then_retention_lookup(engines: FakeEngines,
         answer = {"role": "assistant", "content": "one two three "}
         r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}], stream=True)
     assert r2.headers["x-agentkv-reuse"] == "hit"
-    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] == [[10, 11, 12]]
+    retained = next(iter(engines.retained.values()))["remote_block_ids"]
+    assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] == retained
 
 
 async def test_streamed_kv_params_are_stripped_but_learned(engines: FakeEngines, make_client) -> None:
