@@ -48,6 +48,9 @@ STOCK_ROUTER_ENV = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "600",
     "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "900",
     "AGENTKV_TIMEOUTS__CONTROL_S": "20",
+    # No health checks: a starved stock decode once missed three /health probes in a row and the routers took
+    # it out of rotation ("no healthy decode engine", 2026-12-01), failing tests that are about reuse.
+    "AGENTKV_HEALTH_INTERVAL_S": "0",
 }
 
 
