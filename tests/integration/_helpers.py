@@ -188,16 +188,25 @@ def chat(
         return Turn(ids, text, dict(r.headers))
 
 
-def conversation_script(seed: int, turns: int, *, nonce: str | None = None) -> list[str]:
+def conversation_script(
+    seed: int, turns: int, *, nonce: str | None = None, letters: bool = False
+) -> list[str]:
     """User/tool messages of varied length for a multi-turn conversation, deterministic from ``seed``.
 
     A fresh ``nonce`` starts the first message so no engine holds a cached prefix from an earlier test run.
+    ``letters``: words of random letters instead of a 13-word vocabulary. KV read for the wrong tokens of so
+    repetitive a text can leave the tiny model's greedy answer unchanged; tests that must see wrong KV change
+    an answer use letters.
     """
     import random
+    import string
 
     rng = random.Random(seed)
     nonce = nonce if nonce is not None else uuid.uuid4().hex
     words = "agent tool search file row column query report number answer table cache block".split()
+    if letters:
+        letter = string.ascii_lowercase
+        words = ["".join(rng.choice(letter) for _ in range(rng.randint(2, 7))) for _ in range(5000)]
     msgs = [nonce + " " + " ".join(rng.choice(words) for _ in range(rng.randint(150, 300)))]
     for _ in range(turns - 1):
         msgs.append(

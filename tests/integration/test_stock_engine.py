@@ -7,8 +7,6 @@ trust in ``remote_num_tokens`` changes answers for histories that do not extend 
 
 from __future__ import annotations
 
-import random
-import string
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -124,14 +122,7 @@ def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
     """A stock decode offers prompt + answer - 1 tokens; the router pulls only the previous prompt and must
     cut the block list with the tokens: a stock prefill end-aligns the remote list to its own blocks, so the
     answer's extra block (40 tokens: at least one more 32-token block) would shift every block read."""
-    # Letters drawn at random, not the suite's 13-word vocabulary: KV read from the wrong positions of such a
-    # repetitive text can leave a tiny model's greedy answer unchanged, which would hide a shift.
-    rng = random.Random(340)
-
-    def word() -> str:
-        return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(2, 7)))
-
-    script = [" ".join(word() for _ in range(n)) for n in (160, 60, 60)]
+    script = conversation_script(340, 3, letters=True)  # a shifted read must change the answer
     cid = new_id("cut")
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     turns = []
@@ -191,7 +182,7 @@ def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], s
     """
     words = s[0].split()
     send([{"role": "user", "content": " ".join(words)}])
-    other = conversation_script(998, 1, nonce="unrelated")[0].split()
+    other = conversation_script(998, 1, nonce="unrelated", letters=True)[0].split()
     while len(other) < len(words):
         other += other
     send(
@@ -218,7 +209,7 @@ def test_upstream_behaviour_changes_answers(
         edited_earlier_user_message: 301,
     }
     for case, seed in cases.items():
-        script = conversation_script(seed, 3)
+        script = conversation_script(seed, 3, letters=True)
         off, _ = run_case(case, stock_off.url, script, logprobs=False)
         on, reuse = run_case(case, upstream_router.url, script, logprobs=False)
         assert "hit" in reuse
