@@ -190,6 +190,12 @@ def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], s
     )
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="since the router cuts stock offers to whole, correct blocks (2026-12-01), the greedy answer "
+    "over a wrong history's KV did not change in 2 of 3 runs; the can-fail proof is now the "
+    "cut test's mutation check (see the closing note)",
+)
 def test_upstream_behaviour_changes_answers(
     upstream_router: RouterProc, stock_off: RouterProc, report: Callable[[str], None]
 ) -> None:
