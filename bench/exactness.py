@@ -22,17 +22,23 @@ from typing import Any
 
 import httpx
 
-from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
+from bench._common import (
+    bar_chart,
+    make_progress,
+    print_table,
+    results_dir,
+    write_results,
+)
+from bench.multiturn_sweep import FILLER_WORDS, gpu_words
 
 NAME = "exactness"
-_WORDS = "agent tool search file row column query report number answer table cache block".split()
 
 
 def _text(rng: random.Random, lo: int, hi: int, *, words: list[str] | None) -> str:
     """Random words; ``words=None``: the GPU model's vocabulary ("w<id>", one token each)."""
     n = rng.randint(lo, hi)
     if words is None:
-        return " ".join(f"w{rng.randint(10, 150_000)}" for _ in range(n))
+        return gpu_words(rng, n)
     return " ".join(rng.choice(words) for _ in range(n))
 
 
@@ -54,7 +60,7 @@ def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None)
 
 
 def compare(
-    on: str, off: str, model: str, seeds: range, *, words: list[str] | None = _WORDS
+    on: str, off: str, model: str, seeds: range, *, words: list[str] | None = FILLER_WORDS
 ) -> list[dict[str, Any]]:
     rows = []
     with make_progress() as progress:
@@ -130,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _words(device: str) -> list[str] | None:
     # The GPU model's tokenizer knows "w<id>" words only; the tiny CPU model's BPE knows English.
-    return None if device == "gpu" else _WORDS
+    return None if device == "gpu" else FILLER_WORDS
 
 
 def plot(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:

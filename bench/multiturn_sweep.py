@@ -68,6 +68,16 @@ def scrape(url: str, metrics: dict[str, str] | None = None) -> dict[str, float]:
     return out
 
 
+# Filler text. The tiny CPU model's BPE knows these English words; the GPU recipe's WordLevel tokenizer knows
+# only "w<id>" words, one token each (gpu_words).
+FILLER_WORDS = "agent tool search file row column query report number answer table cache block".split()
+
+
+def gpu_words(rng: random.Random, n: int) -> str:
+    """``n`` random words of the GPU recipe's vocabulary, i.e. ``n`` tokens."""
+    return " ".join(f"w{rng.randint(10, 150_000)}" for _ in range(n))
+
+
 class Words:
     """Filler text. A WordLevel tokenizer (the GPU recipe's) makes one token per ``w<N>`` word."""
 
@@ -78,14 +88,13 @@ class Words:
         if tok.exists():
             kind = json.loads(tok.read_text()).get("model", {}).get("type", "")
         self.wordlevel = kind == "WordLevel"
-        self.vocab = "agent tool search file row column query report number answer table cache block".split()
 
     def text(self, n_tokens: int) -> str:
         if self.wordlevel:
-            return " ".join(f"w{self.rng.randint(10, 150_000)}" for _ in range(n_tokens))
+            return gpu_words(self.rng, n_tokens)
         # BPE on the tiny model: about 1.3 tokens per word+number pair; corrected by measured usage.
         return " ".join(
-            self.rng.choice(self.vocab) + str(self.rng.randint(0, 99)) for _ in range(n_tokens // 2)
+            self.rng.choice(FILLER_WORDS) + str(self.rng.randint(0, 99)) for _ in range(n_tokens // 2)
         )
 
 
