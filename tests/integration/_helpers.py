@@ -140,14 +140,15 @@ def assert_agrees_up_to_rounding(got: Turn, ref: Turn, tol: float = ROUNDING_TOL
     logprobs within ``tol``, except that from a near tie of ``ref`` (its two candidates within ``tol``)
     greedy decoding may take the other branch. Wrong KV moves logprobs far more than ``tol``."""
     assert ref.top, "the reference needs top_logprobs"
-    assert len(got.ids) == len(ref.ids) == len(got.logprobs), (got, ref)
-    for i, (g, r) in enumerate(zip(got.ids, ref.ids, strict=True)):
-        if g != r:
+    assert got.ids and len(got.logprobs) == len(got.ids), got
+    for i, (g, r) in enumerate(zip(got.ids, ref.ids, strict=False)):
+        if g != r:  # past a near tie the two may also end at other lengths
             assert i > 0, f"the first token differs: {g} != {r}"
             assert g in ref.top[i], f"token {i}: {g} is not among the reference's top {ref.top[i]}"
             assert ref.top[i][r] - ref.top[i][g] <= tol, f"token {i}: no near tie in {ref.top[i]}"
             return
         assert abs(got.logprobs[i] - ref.logprobs[i]) <= tol, (i, got.logprobs, ref.logprobs)
+    assert len(got.ids) == len(ref.ids), (got.ids, ref.ids)
 
 
 def token_logprobs(choice: dict[str, Any]) -> list[float]:
