@@ -22,13 +22,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import (
-    bar_chart,
-    make_progress,
-    print_table,
-    results_dir,
-    write_results,
-)
+from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 from bench.multiturn_sweep import FILLER_WORDS, gpu_words
 
 NAME = "exactness"
