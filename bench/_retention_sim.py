@@ -27,7 +27,16 @@ from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_LEASE_S, DEFAULT_MA
 from bench._fake_vllm import DECLINE_MARGIN_S
 from bench._trace import Conversation
 
-__all__ = ["FixedTTL", "HeartbeatLease", "Policy", "Scenario", "ScriptedTurn", "replay", "script_scenario"]
+__all__ = [
+    "FixedTTL",
+    "HeartbeatLease",
+    "Policy",
+    "Scenario",
+    "ScriptedTurn",
+    "bounds",
+    "replay",
+    "script_scenario",
+]
 
 
 class Policy(Protocol):
@@ -300,4 +309,40 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         "heartbeats": stats.heartbeats,
         "peak_blocks": stats.peak_blocks,
         "timeline": stats.timeline,
+    }
+
+
+def bounds(scripts: list[ScriptedConversation], scenario: Scenario) -> dict[str, dict[str, Any]]:
+    """The least block-seconds any policy can hold while hitting every turn the fixed pin hits.
+
+    Computed from the scripts, not replayed: a turn that finishes is followed by its next turn ``gap_s``
+    later, and the fixed pin hits it when ``gap_s < ttl - DECLINE_MARGIN_S`` (the same rule as ``replay``).
+    Ignores ``capacity_blocks`` (an unbounded decode). Two bounds:
+
+    * ``ideal window``: an online policy (it cannot see when the next turn will come) that keeps each turn
+      until the next one or until the fixed pin's window has passed, and learns at no cost the moment an
+      agent closes or vanishes. Holding any less loses a hit the fixed pin gets, for a gap it cannot
+      foresee. (A policy could match the fixed pin's hit *rate* for less by dropping large contexts
+      early and keeping small ones longer, but that trades away the reused tokens the hits are for.) With
+      heartbeats stopping at the same window, the lease differs from it only by the lease it pays for
+      each vanished agent and the heartbeat granularity at the window's edge.
+    * ``hindsight``: knows every gap in advance, so it holds only across gaps that will hit. No policy
+      without foresight reaches it; it says how much of the remaining cost is the unknowable future.
+    """
+    window = scenario.ttl_s - DECLINE_MARGIN_S
+    ideal = hindsight = 0.0
+    hits = continuation_turns = 0
+    for script in scripts:
+        for index, spec in enumerate(script.turns[:-1]):
+            blocks = math.ceil((spec.input_length + spec.output_length - 1) / scenario.block_size)
+            gap = script.turns[index + 1].gap_s
+            continuation_turns += 1
+            ideal += blocks * min(gap, window)
+            if gap < window:
+                hits += 1
+                hindsight += blocks * gap
+    hit_rate = hits / continuation_turns if continuation_turns else None
+    return {
+        "ideal window": {"policy": "ideal window (bound)", "block_seconds": ideal, "hit_rate": hit_rate},
+        "hindsight": {"policy": "hindsight (bound)", "block_seconds": hindsight, "hit_rate": hit_rate},
     }

@@ -31,11 +31,12 @@ from bench._common import (
     summarize,
     write_results,
 )
-from bench._retention_sim import Scenario, replay, script_scenario
+from bench._retention_sim import Scenario, bounds, replay, script_scenario
 from bench._trace import DEFAULT_TRACE, group_conversations, load_trace, turn_histogram
 
 NAME = "retention"
 POLICIES = ("fixed", "lease")
+BOUNDS = ("ideal window", "hindsight")
 # One H200 holds ~0.72M tokens of Qwen3-8B KV (docs: landscape.md), in 16-token blocks.
 H200_QWEN3_8B_BLOCKS = 720_000 // 16
 _TIMELINE_POINTS = 400
@@ -94,6 +95,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.capacity_blocks:
         scenarios["capped"] = replace(base, capacity_blocks=args.capacity_blocks)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {name: {p: [] for p in POLICIES} for name in scenarios}
+    # The bounds need an unbounded decode, so the capped scenario has none.
+    bound_runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        name: {b: [] for b in BOUNDS}
+        for name, scenario in scenarios.items()
+        if scenario.capacity_blocks is None
+    }
     with make_progress() as progress:
         task = progress.add_task("replaying", total=len(scenarios) * len(POLICIES) * args.seeds)
         for name, scenario in scenarios.items():
@@ -102,6 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 for policy in POLICIES:
                     runs[name][policy].append(replay(scripts, replace(scenario, seed=seed), policy))
                     progress.advance(task)
+                if name in bound_runs:
+                    for bound, result in bounds(scripts, scenario).items():
+                        bound_runs[name][bound].append(result)
     data: dict[str, Any] = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "trace": {
@@ -113,12 +123,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "goals": {"block_seconds_ratio_min": 5.0, "hit_rate": "lease >= fixed"},
     }
     for name in scenarios:
-        data["scenarios"][name] = _scenario_summary(runs[name])
+        data["scenarios"][name] = _scenario_summary(runs[name], bound_runs.get(name))
     _report(data, runs, out)
     return data
 
 
-def _scenario_summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def _scenario_summary(
+    runs: dict[str, list[dict[str, Any]]], bound_runs: dict[str, list[dict[str, Any]]] | None
+) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for policy, results in runs.items():
         summary[policy] = {
@@ -134,6 +146,20 @@ def _scenario_summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         1e-9, lease["block_seconds"]["mean"]
     )
     summary["hit_rate_delta"] = lease["hit_rate"]["mean"] - fixed["hit_rate"]["mean"]
+    if bound_runs:
+        summary["bounds"] = {}
+        for bound, results in bound_runs.items():
+            block_seconds = summarize([r["block_seconds"] for r in results])
+            summary["bounds"][bound] = {
+                "policy": results[0]["policy"],
+                "block_seconds": block_seconds,
+                "hit_rate": summarize([r["hit_rate"] for r in results]),
+                "block_seconds_ratio": fixed["block_seconds"]["mean"] / max(1e-9, block_seconds["mean"]),
+            }
+        # How much of what any online policy could save (fixed -> ideal window) the lease saves.
+        ideal = summary["bounds"]["ideal window"]["block_seconds"]["mean"]
+        saved = fixed["block_seconds"]["mean"] - lease["block_seconds"]["mean"]
+        summary["lease_share_of_ideal_saving"] = saved / max(1e-9, fixed["block_seconds"]["mean"] - ideal)
     summary["timeline_seed0"] = {p: _downsample(runs[p][0]["timeline"]) for p in runs}
     return summary
 
@@ -156,6 +182,19 @@ def _report(data: dict[str, Any], runs: dict[str, Any], out: Path) -> None:
                     first["refused"],
                 ]
             )
+        for bound in summary.get("bounds", {}).values():
+            rows.append(
+                [
+                    f"{name}: {bound['policy']}",
+                    bound["block_seconds"]["mean"] / 1e6,
+                    bound["hit_rate"]["mean"],
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                    "-",
+                ]
+            )
     print_table(
         f"retention replay ({data['trace']['conversations']} conversations; mean of seeds; counters seed 0)",
         [
@@ -175,6 +214,14 @@ def _report(data: dict[str, Any], runs: dict[str, Any], out: Path) -> None:
             f"{name}: lease holds {summary['block_seconds_ratio']:.1f}x fewer block-seconds (goal >= 5x), "
             f"hit rate {summary['hit_rate_delta']:+.3f} vs fixed TTL"
         )
+        if "bounds" in summary:
+            ideal, hindsight = summary["bounds"]["ideal window"], summary["bounds"]["hindsight"]
+            console.print(
+                f"  hitting every turn the fixed pin hits, no online policy beats "
+                f"{ideal['block_seconds_ratio']:.1f}x (ideal window), and only foresight of the gaps reaches "
+                f"{hindsight['block_seconds_ratio']:.1f}x (hindsight); the lease makes "
+                f"{summary['lease_share_of_ideal_saving']:.0%} of the ideal window's saving"
+            )
     names = list(data["scenarios"])
     bar_chart(
         out / "block_seconds.png",
@@ -201,6 +248,28 @@ def _report(data: dict[str, Any], runs: dict[str, Any], out: Path) -> None:
             for p in POLICIES
         },
     )
+    bounded = [n for n in names if "bounds" in data["scenarios"][n]]
+    if bounded:
+        first = data["scenarios"][bounded[0]]
+        bar_chart(
+            out / "block_seconds_bounds.png",
+            title="idle retained KV, with the bounds at the fixed pin's hits",
+            labels=bounded,
+            log=True,
+            ylabel="block-seconds",
+            series={
+                **{
+                    first[p]["policy"]: [data["scenarios"][n][p]["block_seconds"]["mean"] for n in bounded]
+                    for p in POLICIES
+                },
+                **{
+                    first["bounds"][b]["policy"]: [
+                        data["scenarios"][n]["bounds"][b]["block_seconds"]["mean"] for n in bounded
+                    ]
+                    for b in BOUNDS
+                },
+            },
+        )
     timeline = data["scenarios"][names[0]]["timeline_seed0"]
     line_chart(
         out / "retained_blocks.png",

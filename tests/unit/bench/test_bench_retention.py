@@ -72,3 +72,33 @@ def test_the_sdk_idle_limit_ends_heartbeats_and_the_lease_runs_out() -> None:
     assert 10 * 100 < lease["block_seconds"] <= 10 * 130
     short_gap = [ScriptedConversation(turns=[turn(0), turn(90)], vanishes=False)]
     assert run(short_gap, "lease", limited)["hit_rate"] == 1.0
+
+
+def test_bounds_hold_each_gap_up_to_the_fixed_window_and_hindsight_only_the_hits() -> None:
+    from bench._retention_sim import bounds
+
+    # Gaps 20 s (hit), 600 s (past the 475 s window: a miss), then the last turn (nothing after it).
+    scripts = [ScriptedConversation(turns=[turn(0), turn(20), turn(600)], vanishes=True)]
+    result = bounds(scripts, SCENARIO)
+    assert result["ideal window"]["block_seconds"] == pytest.approx(10 * 20 + 10 * 475)
+    assert result["hindsight"]["block_seconds"] == pytest.approx(10 * 20)
+    assert result["ideal window"]["hit_rate"] == result["hindsight"]["hit_rate"] == 0.5
+    assert run(scripts, "fixed")["hit_rate"] == 0.5
+
+
+def test_on_the_trace_the_bounds_hit_what_the_fixed_pin_hits_for_fewer_block_seconds() -> None:
+
+    from bench._retention_sim import bounds, script_scenario
+    from bench._trace import DEFAULT_TRACE, group_conversations, load_trace
+
+    if not DEFAULT_TRACE.exists():
+        pytest.skip(f"trace not found at {DEFAULT_TRACE}")
+    conversations = group_conversations(load_trace(DEFAULT_TRACE, limit=1200))
+    scenario = Scenario(seed=1)
+    scripts = script_scenario(conversations, scenario)
+    fixed = replay(scripts, scenario, "fixed")
+    result = bounds(scripts, scenario)
+    # Computed from the scripts, the bounds must find exactly the turns the replayed fixed pin hits.
+    assert result["ideal window"]["hit_rate"] == pytest.approx(fixed["hit_rate"])
+    ideal, hindsight = result["ideal window"]["block_seconds"], result["hindsight"]["block_seconds"]
+    assert 0 < hindsight < ideal < fixed["block_seconds"]
