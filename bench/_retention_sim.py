@@ -42,7 +42,7 @@ __all__ = [
 class Policy(Protocol):
     name: str
 
-    def add(self, request_id: str, num_tokens: int) -> float: ...
+    def add(self, request_id: str, num_tokens: int, num_blocks: int, in_use: int) -> float: ...
     def heartbeat(self, request_id: str) -> float | None: ...
     def close(self, request_id: str) -> bool: ...
     def remaining(self, request_id: str) -> float | None: ...
@@ -52,13 +52,16 @@ class Policy(Protocol):
 class FixedTTL:
     """vLLM's decode pin: finish + TTL, not renewable, not releasable; one prefill read frees it."""
 
-    def __init__(self, *, ttl_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, *, ttl_s: float, clock: Callable[[], float], capacity_blocks: int | None) -> None:
         self.name = f"fixed TTL {ttl_s:g}s"
         self._ttl_s = ttl_s
+        self._capacity = capacity_blocks
         self._clock = clock
         self._deadlines: dict[str, float] = {}
 
-    def add(self, request_id: str, num_tokens: int) -> float:
+    def add(self, request_id: str, num_tokens: int, num_blocks: int, in_use: int) -> float:
+        if self._capacity is not None and in_use + num_blocks > self._capacity:
+            return 0.0  # a full decode cannot pin more: it frees the new request's blocks
         self._deadlines[request_id] = self._clock() + self._ttl_s
         return self._deadlines[request_id]
 
@@ -81,16 +84,22 @@ class FixedTTL:
 class HeartbeatLease:
     """The real ``LeaseTable``, operated the way the connector's scheduler and service operate it."""
 
-    def __init__(self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float], capacity_blocks: int | None
+    ) -> None:
         from agentkv.server._connector._leases import LeaseTable
 
         self.name = f"heartbeat lease {lease_s:g}s"
         self._lease_s = lease_s
         self._clock = clock
-        self.table = LeaseTable(lease_s=lease_s, max_lease_s=max_lease_s, clock=clock)
+        self.table = LeaseTable(
+            lease_s=lease_s, max_lease_s=max_lease_s, clock=clock, capacity_blocks=capacity_blocks
+        )
 
-    def add(self, request_id: str, num_tokens: int) -> float:
-        return float(self.table.add(request_id, {"remote_request_id": request_id}, num_tokens))
+    def add(self, request_id: str, num_tokens: int, num_blocks: int, in_use: int) -> float:
+        # The table keeps its own count of retained blocks and applies its own cap (``in_use`` unused).
+        params = {"remote_request_id": request_id}
+        return float(self.table.add(request_id, params, num_tokens, num_blocks=num_blocks))
 
     def heartbeat(self, request_id: str) -> float | None:
         answer = self.table.renew(request_id, self._lease_s)
@@ -203,9 +212,14 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
 
     policy: Policy
     if policy_name == "lease":
-        policy = HeartbeatLease(lease_s=scenario.lease_s, max_lease_s=scenario.max_lease_s, clock=clock)
+        policy = HeartbeatLease(
+            lease_s=scenario.lease_s,
+            max_lease_s=scenario.max_lease_s,
+            clock=clock,
+            capacity_blocks=scenario.capacity_blocks,
+        )
     else:
-        policy = FixedTTL(ttl_s=scenario.ttl_s, clock=clock)
+        policy = FixedTTL(ttl_s=scenario.ttl_s, clock=clock, capacity_blocks=scenario.capacity_blocks)
     stats = _Stats()
     live: dict[str, _Entry] = {}
     retained_of: dict[int, str] = {}  # conversation -> request id decode holds for it
@@ -269,13 +283,12 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
             tokens = spec.input_length + spec.output_length - 1  # vLLM's num_computed_tokens
             blocks = math.ceil(tokens / scenario.block_size)
             in_use = sweep()
-            if scenario.capacity_blocks is not None and in_use + blocks > scenario.capacity_blocks:
+            new_id = f"c{conversation}t{turn}"
+            deadline = policy.add(new_id, tokens, blocks, in_use)
+            if not deadline:
                 stats.refused += 1  # no room: decode frees the blocks instead of retaining them
             else:
-                new_id = f"c{conversation}t{turn}"
-                live[new_id] = _Entry(
-                    start=now, tokens=tokens, blocks=blocks, deadline=policy.add(new_id, tokens)
-                )
+                live[new_id] = _Entry(start=now, tokens=tokens, blocks=blocks, deadline=deadline)
                 retained_of[conversation] = new_id
                 stats.peak_blocks = max(stats.peak_blocks, in_use + blocks)
                 stats.timeline.append((now, in_use + blocks))

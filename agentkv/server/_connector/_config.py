@@ -44,6 +44,10 @@ class ConnectorSettings:
     worker_busy_loop_s: float | None = None
     # Longest zmq wait of a queue reader before it re-checks the buffer: bounds a lost notification.
     queue_max_wait_ms: int = 50
+    # Share of decode's KV blocks that leases may hold; a retention over it is declined, so idle
+    # conversations never make live requests wait for blocks (vLLM's fixed pin has no bound).
+    max_retained_fraction: float = 0.5
+    max_retained_blocks: int | None = None  # an absolute cap as well (None: the fraction alone)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -68,6 +72,10 @@ class ConnectorSettings:
             idle_sleep_max_ms=float(get("idle_sleep_max_ms", cls.idle_sleep_max_ms)),
             cost_model=_bool(get("cost_model", cls.cost_model), "agentkv_cost_model"),
             queue_max_wait_ms=int(get("queue_max_wait_ms", cls.queue_max_wait_ms)),
+            max_retained_fraction=float(get("max_retained_fraction", cls.max_retained_fraction)),
+            max_retained_blocks=None
+            if get("max_retained_blocks", None) in (None, "")
+            else int(get("max_retained_blocks", None)),
             worker_busy_loop_s=None
             if get("worker_busy_loop_s", None) in (None, "")
             else float(get("worker_busy_loop_s", None)),
@@ -76,4 +84,15 @@ class ConnectorSettings:
             raise ValueError("need 0 < agentkv_lease_s <= agentkv_max_lease_s")
         if s.progress_delay_us < 0 or s.idle_sleep_max_ms < 0:
             raise ValueError("agentkv_progress_delay_us and agentkv_idle_sleep_max_ms must be >= 0")
+        if not 0 < s.max_retained_fraction <= 1 or (
+            s.max_retained_blocks is not None and s.max_retained_blocks < 0
+        ):
+            raise ValueError(
+                "need 0 < agentkv_max_retained_fraction <= 1 and agentkv_max_retained_blocks >= 0"
+            )
         return s
+
+    def retention_capacity(self, num_blocks: int) -> int:
+        """Blocks leases may hold on a decode with ``num_blocks`` KV blocks."""
+        cap = int(self.max_retained_fraction * num_blocks)
+        return cap if self.max_retained_blocks is None else min(cap, self.max_retained_blocks)

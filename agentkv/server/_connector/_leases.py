@@ -8,6 +8,14 @@ clock offset (measured at handshake) refers to.
 
 Thread model: the HTTP service thread only *reads* snapshots and *queues* operations; the scheduler thread
 applies them in ``build_connector_meta`` (the only place vLLM lets us change deadlines safely).
+
+Capacity: leases may hold at most ``capacity_blocks`` of decode's KV blocks. vLLM's fixed pin has no such
+bound, so idle conversations can fill decode and make live requests wait for blocks. Here a retention that
+does not fit is declined, and a lease once granted is kept until it is read, released or runs out. Evicting
+the longest-retained lease to admit the new one was measured and lost (``python -m bench.retention``, capped
+scenario: hit rate 0.34 vs 0.50): most new retentions belong to conversations that never continue, while a
+lease that survived its heartbeats belongs to one that does. Never evicting also means no lease can be freed
+under a NIXL read that prefill already started.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ class Retained:
     params: dict[str, Any]
     deadline: float
     num_tokens: int
+    num_blocks: int = 0
 
 
 @dataclass
@@ -35,22 +44,58 @@ class _Pending:
 
 
 class LeaseTable:
-    def __init__(self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        *,
+        lease_s: float,
+        max_lease_s: float,
+        clock: Callable[[], float],
+        capacity_blocks: int | None = None,
+    ) -> None:
         if lease_s <= 0 or max_lease_s < lease_s:
             raise ValueError(f"need 0 < lease_s <= max_lease_s, got {lease_s}, {max_lease_s}")
+        if capacity_blocks is not None and capacity_blocks < 0:
+            raise ValueError(f"need capacity_blocks >= 0, got {capacity_blocks}")
         self.lease_s = lease_s
         self.max_lease_s = max_lease_s
+        self.capacity_blocks = capacity_blocks
+        self.declined = 0  # retentions that did not fit (a counter the connector exports)
         self._clock = clock
         self._lock = threading.Lock()
-        self._retained: dict[str, Retained] = {}
+        self._retained: dict[str, Retained] = {}  # insertion order = retention order (oldest first)
         self._pending = _Pending()
 
     # --- scheduler thread ------------------------------------------------------------------------------
-    def add(self, request_id: str, params: dict[str, Any], num_tokens: int) -> float:
-        deadline = self._clock() + self.lease_s
+    def add(self, request_id: str, params: dict[str, Any], num_tokens: int, *, num_blocks: int = 0) -> float:
+        """Lease a finished request's blocks; returns its deadline, or 0.0 if they do not fit under
+        ``capacity_blocks`` (the caller then frees them at once)."""
+        now = self._clock()
         with self._lock:
-            self._retained[request_id] = Retained(request_id, params, deadline, num_tokens)
-        return deadline
+            if self.capacity_blocks is not None and not self._fits(num_blocks, now):
+                self.declined += 1
+                return 0.0
+            self._retained[request_id] = Retained(
+                request_id, params, now + self.lease_s, num_tokens, num_blocks
+            )
+        return now + self.lease_s
+
+    def _fits(self, num_blocks: int, now: float) -> bool:
+        assert self.capacity_blocks is not None
+        return self._blocks_in_use(now) + num_blocks <= self.capacity_blocks
+
+    def _blocks_in_use(self, now: float) -> int:
+        # Released or expired leases are on their way out (the workers free them): they hold no room.
+        return sum(
+            r.num_blocks
+            for r in self._retained.values()
+            if r.request_id not in self._pending.release
+            and self._pending.renew.get(r.request_id, r.deadline) > now
+        )
+
+    def blocks_in_use(self) -> int:
+        """KV blocks the live leases hold (any thread)."""
+        with self._lock:
+            return self._blocks_in_use(self._clock())
 
     def forget(self, request_id: str) -> None:
         """The blocks are gone (read by prefill, expired or released): stop advertising them."""

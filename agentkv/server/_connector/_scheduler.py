@@ -97,7 +97,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
             self.leases = LeaseTable(
-                lease_s=self.agentkv.lease_s, max_lease_s=self.agentkv.max_lease_s, clock=time.perf_counter
+                lease_s=self.agentkv.lease_s,
+                max_lease_s=self.agentkv.max_lease_s,
+                clock=time.perf_counter,
+                capacity_blocks=self.agentkv.retention_capacity(int(kv_cache_config.num_blocks)),
             )
         self.service: RetentionService | None = None
         if self.agentkv.service_port:
@@ -121,6 +124,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "leases": self.leases is not None,
             "lease_s": self.agentkv.lease_s,
             "max_lease_s": self.agentkv.max_lease_s,
+            "retention_capacity_blocks": self.leases.capacity_blocks if self.leases else None,
             "fixed_ttl_s": None if self.leases else self.decoder_kv_blocks_ttl,
             "block_size": self.block_size,
             "prefix_check": self.agentkv.prefix_check,
@@ -236,14 +240,23 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 request.all_token_ids, self.block_size, limit_tokens=n
             )
             params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
-            self.stats["retained"] += 1
             if self.leases is not None:
                 svc = self.service
                 if svc is not None:
                     params[SERVICE] = f"http://{self.agentkv.service_host}:{svc.port}"
-                deadline = self.leases.add(request.request_id, params, n)
+                deadline = self.leases.add(request.request_id, params, n, num_blocks=_count_blocks(block_ids))
+                if not deadline:
+                    # No room under the retention cap: offer nothing and let the worker free the blocks at
+                    # its next step (vLLM already tracks them for sending, so they cannot be freed here).
+                    self.stats["not_retained"] += 1
+                    params.update(cut_offer(params, 0, self.block_size))
+                    deadline = time.perf_counter()
+                else:
+                    self.stats["retained"] += 1
                 self._reqs_need_send[request.request_id] = deadline
                 params["remote_blocks_expiry_time"] = deadline
+            else:
+                self.stats["retained"] += 1
         return delay, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -323,6 +336,17 @@ def _mean_position(scheduler_output: Any) -> float:
         return sum(n * (computed.get(rid, 0) + n / 2) for rid, n in scheduled.items()) / total
     except (AttributeError, TypeError):
         return 0.0
+
+
+def _count_blocks(block_ids: Any) -> int:
+    """Blocks a finished request holds: vLLM passes one list per KV cache group (one shared pool), older
+    versions a flat list."""
+    try:
+        if block_ids and isinstance(block_ids[0], int):
+            return len(block_ids)
+        return sum(len(group) for group in block_ids)
+    except TypeError:
+        return 0
 
 
 def _kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float | None:

@@ -37,10 +37,11 @@ COUNTERS = {
     "refused_unverified": "offers refused for lack of fingerprints (agentkv_require_fingerprints)",
     "refused_released": "offers whose lease was released or expired before the read",
     "retained": "finished requests whose blocks decode retained",
+    "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
 }
 
 
-def render_metrics(info: dict[str, Any], retained_now: int) -> str:
+def render_metrics(info: dict[str, Any], retained_now: int, retained_blocks: int) -> str:
     """Prometheus text exposition of the connector's counters, labelled with the engine's role."""
     role = info.get("role", "unknown")
     stats = info.get("stats") or {}
@@ -53,6 +54,9 @@ def render_metrics(info: dict[str, Any], retained_now: int) -> str:
         "# HELP agentkv_connector_retained_requests requests whose blocks decode holds now",
         "# TYPE agentkv_connector_retained_requests gauge",
         f'agentkv_connector_retained_requests{{role="{role}"}} {float(retained_now)}',
+        "# HELP agentkv_connector_retained_blocks KV blocks that decode's leases hold now",
+        "# TYPE agentkv_connector_retained_blocks gauge",
+        f'agentkv_connector_retained_blocks{{role="{role}"}} {float(retained_blocks)}',
     ]
     return "\n".join(lines) + "\n"
 
@@ -86,10 +90,15 @@ class RetentionService:
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not path.startswith(_PREFIX):
             return 404, {"error": "not found"}
+        path = path.partition("?")[0]
         parts = [unquote(p) for p in path[len(_PREFIX) :].split("/") if p]
         match method, parts:
             case "GET", ["info"]:
-                return 200, {**self._info(), "retained": len(self.table)}
+                return 200, {
+                    **self._info(),
+                    "retained": len(self.table),
+                    "retained_blocks": self.table.blocks_in_use(),
+                }
             case "GET", ["retained", rid]:
                 found = self.table.lookup(rid)
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
@@ -110,7 +119,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
-            text = render_metrics(self.service._info(), len(self.service.table))
+            table = self.service.table
+            text = render_metrics(self.service._info(), len(table), table.blocks_in_use())
             self._reply(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
             return
         body: dict[str, Any] = {}

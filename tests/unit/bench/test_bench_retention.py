@@ -57,9 +57,10 @@ def test_a_short_gap_hits_under_both_and_the_read_frees_the_blocks() -> None:
 def test_a_full_decode_refuses_to_retain() -> None:
     capped = Scenario(**{**SCENARIO.__dict__, "capacity_blocks": 15})
     scripts = [ScriptedConversation(turns=[turn(0)], vanishes=True) for _ in range(2)]
-    result = run(scripts, "fixed", capped)
-    assert result["refused"] == 1
-    assert result["peak_blocks"] == 10
+    for policy in ("fixed", "lease"):  # the lease's cap is the real LeaseTable's
+        result = run(scripts, policy, capped)
+        assert result["refused"] == 1
+        assert result["peak_blocks"] == 10
 
 
 def test_the_sdk_idle_limit_ends_heartbeats_and_the_lease_runs_out() -> None:

@@ -41,13 +41,29 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
         ConnectorSettings.from_extra({"agentkv_lease_s": 100, "agentkv_max_lease_s": 10})
 
 
+def test_retention_cap_settings() -> None:
+    default = ConnectorSettings.from_extra(None)
+    assert default.max_retained_fraction == 0.5 and default.retention_capacity(1000) == 500
+    both = ConnectorSettings.from_extra(
+        {"agentkv_max_retained_fraction": "0.8", "agentkv_max_retained_blocks": "64"}
+    )
+    assert both.retention_capacity(1000) == 64  # the smaller of the two caps
+    assert both.retention_capacity(50) == 40
+    for bad in ({"agentkv_max_retained_fraction": 0}, {"agentkv_max_retained_fraction": 1.5}):
+        with pytest.raises(ValueError):
+            ConnectorSettings.from_extra(bad)
+    with pytest.raises(ValueError):
+        ConnectorSettings.from_extra({"agentkv_max_retained_blocks": -1})
+
+
 def test_service_routes() -> None:
     t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
     t.add("chatcmpl-x-1", {"a": 1}, 5)
     svc = RetentionService.__new__(RetentionService)  # routing only: no socket
     svc.table = t
     svc._info = lambda: {"engine_id": "e"}
-    assert svc.handle("GET", "/agentkv/v1/info", {}) == (200, {"engine_id": "e", "retained": 1})
+    info = (200, {"engine_id": "e", "retained": 1, "retained_blocks": 0})  # the test adds num_blocks=0
+    assert svc.handle("GET", "/agentkv/v1/info", {}) == info
     status, body = svc.handle("GET", "/agentkv/v1/retained/x", {})
     assert status == 200 and body["num_tokens"] == 5
     assert svc.handle("POST", "/agentkv/v1/leases/x/renew", {"duration_s": "long"})[0] == 400
@@ -100,11 +116,14 @@ def test_descriptor_count_decides_pull_vs_recompute() -> None:
 
 
 def test_connector_counters_render_as_prometheus_text() -> None:
-    text = render_metrics({"role": "prefill", "stats": {"tokens_trimmed": 128, "pulls": 3}}, retained_now=2)
+    text = render_metrics(
+        {"role": "prefill", "stats": {"tokens_trimmed": 128, "pulls": 3}}, retained_now=2, retained_blocks=7
+    )
     assert 'agentkv_connector_tokens_trimmed_total{role="prefill"} 128.0' in text
     assert 'agentkv_connector_pulls_total{role="prefill"} 3.0' in text
     assert 'agentkv_connector_recomputes_total{role="prefill"} 0.0' in text
     assert 'agentkv_connector_retained_requests{role="prefill"} 2.0' in text
+    assert 'agentkv_connector_retained_blocks{role="prefill"} 7.0' in text
     assert "# TYPE agentkv_connector_tokens_refused_total counter" in text
 
 

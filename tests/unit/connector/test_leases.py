@@ -66,3 +66,40 @@ def test_expired_entries_disappear_and_forget_drops(clock: Clock) -> None:
 def test_bad_bounds_rejected(clock: Clock) -> None:
     with pytest.raises(ValueError):
         LeaseTable(lease_s=10, max_lease_s=5, clock=clock)
+
+
+def test_a_retention_over_capacity_is_declined_and_granted_leases_are_kept(clock: Clock) -> None:
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=clock, capacity_blocks=10)
+    assert t.add("a", {}, 96, num_blocks=6) == pytest.approx(1010.0)
+    assert t.add("b", {}, 96, num_blocks=6) == 0.0  # 12 > 10: declined, nothing recorded
+    assert t.declined == 1 and t.lookup("b") is None and t.lookup("a") is not None
+    assert t.blocks_in_use() == 6
+    assert t.add("c", {}, 64, num_blocks=4) > 0  # exactly full is allowed
+    assert t.blocks_in_use() == 10
+
+
+def test_released_and_expired_leases_free_their_room_at_once(clock: Clock) -> None:
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=clock, capacity_blocks=10)
+    t.add("a", {}, 96, num_blocks=6)
+    t.release("a")  # queued for the scheduler's next drain, but already no longer holding room
+    assert t.add("b", {}, 96, num_blocks=6) > 0
+    clock.t += 11  # b ran out
+    assert t.blocks_in_use() == 0
+    assert t.add("c", {}, 160, num_blocks=10) > 0
+
+
+def test_a_renewed_lease_keeps_its_room(clock: Clock) -> None:
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=clock, capacity_blocks=10)
+    t.add("a", {}, 96, num_blocks=6)
+    clock.t += 8
+    t.renew("a", 30)  # pending until the scheduler drains, and it already counts
+    clock.t += 5  # past a's original deadline, inside the renewal
+    assert t.add("b", {}, 96, num_blocks=6) == 0.0
+    assert t.blocks_in_use() == 6
+
+
+def test_without_capacity_nothing_is_declined(clock: Clock) -> None:
+    t = table(clock)
+    for i in range(100):
+        assert t.add(f"r{i}", {}, 10_000, num_blocks=1000) > 0
+    assert t.declined == 0 and t.blocks_in_use() == 100_000
