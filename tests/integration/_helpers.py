@@ -274,6 +274,7 @@ def pd_turn(
     *,
     retained: dict[str, Any] | None = None,
     max_tokens: int = 12,
+    timeout_s: float = HTTP_TIMEOUT_S,
 ) -> tuple[Turn, str]:
     """One turn straight to P then D, the way the router does it, without the router. Returns D's turn and
     the request id (for the decode retention service)."""
@@ -287,7 +288,7 @@ def pd_turn(
         f"{prefill_url}/v1/chat/completions",
         json={**base, "max_tokens": 1, "kv_transfer_params": kv},
         headers={"X-Request-Id": rid},
-        timeout=HTTP_TIMEOUT_S,
+        timeout=timeout_s,
     )
     assert p.status_code == 200, p.text
     d = httpx.post(
@@ -302,7 +303,7 @@ def pd_turn(
             "cache_salt": f"direct-{rid}",
         },
         headers={"X-Request-Id": rid},
-        timeout=HTTP_TIMEOUT_S,
+        timeout=timeout_s,
     )
     assert d.status_code == 200, d.text
     choice = d.json()["choices"][0]

@@ -1,0 +1,108 @@
+"""The retention cap on the real engine: decode never lets leases hold more than its share of KV blocks.
+
+A 1P1D cluster of its own whose engines have a KV cache of 160 blocks of 32 tokens, so the default cap
+(``agentkv_max_retained_fraction`` 0.5) is 80 blocks and one ~1,450-token conversation (~46 blocks) fits
+while a second does not. Without the cap, or if a declined retention's blocks were never freed, a few more
+such turns would leave decode no blocks to schedule them and they would hang (bounded here by a timeout).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._model import tiny_serving
+
+from ._helpers import MODEL, pd_turn, retained_params, running, service_info
+from .conftest import LOG_DIR
+
+P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
+BLOCK, TOTAL_BLOCKS = 32, 160
+PROMPT_TOKENS = 1450  # ~46 blocks with the answer: one fits under the 80-block cap, two do not
+TURN_TIMEOUT_S = 120  # far above a turn here (1-2 s); a turn that cannot get blocks waits forever
+
+
+@pytest.fixture(scope="module")
+def capped(model_dir: Path) -> Iterator[Cluster]:
+    serving = tiny_serving()
+    serving["extra_args"] += ["--num-gpu-blocks-override", str(TOTAL_BLOCKS)]
+    cfg = ClusterConfig(
+        model=str(model_dir),
+        prefill_port=P_PORT,
+        decode_port=D_PORT,
+        side_channel_port=SIDE_PORT,
+        router_port=None,
+        prefill_prefix_caching=False,
+        lease_s=300,  # the granted lease must outlive the test: only the cap may decline anything
+        cost_model=False,  # on 2 cores the cost model may rightly recompute; this test needs the pull
+        max_model_len=2048,
+        block_size=BLOCK,
+        **serving,
+        log_dir=LOG_DIR / "capped",
+    )
+    yield from running(cfg)
+
+
+def _messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
+    """A user message whose rendered prompt is just under PROMPT_TOKENS (counted by prefill's /tokenize)."""
+    rng = random.Random(seed)
+    words = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(2000)]
+    n = 300
+    while True:
+        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[:n])}]
+        r = httpx.post(
+            f"{prefill_url}/tokenize",
+            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        count = int(r.json()["count"])
+        if count > PROMPT_TOKENS:
+            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[: n - 1])}]
+        n += max(1, (PROMPT_TOKENS - count) // 4)
+
+
+def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(capped: Cluster) -> None:
+    p, d = capped.prefills[0].spec, capped.decodes[0].spec
+    assert p.service_url and d.service_url
+    info = service_info(d.service_url)
+    assert info["retention_capacity_blocks"] == TOTAL_BLOCKS // 2  # the default share, from vLLM's count
+    base = info["retained_blocks"]  # the warm-up's last turn (a few tokens) may still be leased
+
+    first = _messages(p.url, 1)
+    turn_a, rid_a = pd_turn(p.url, d.url, first, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    held_a = retained_params(d.service_url, rid_a)
+    assert held_a is not None and held_a["remote_num_tokens"] > 1000
+    blocks_a = service_info(d.service_url)["retained_blocks"] - base
+    assert 40 <= blocks_a <= TOTAL_BLOCKS // 2 - base
+
+    # A second conversation of the same size does not fit: declined, nothing offered, counted.
+    declined0 = service_info(d.service_url)["stats"]["not_retained"]
+    turn_b, rid_b = pd_turn(p.url, d.url, _messages(p.url, 2), max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    assert retained_params(d.service_url, rid_b) is None
+    offer_b = turn_b.kv_transfer_params or {}
+    assert offer_b.get("remote_num_tokens") == 0 and not any(offer_b.get("remote_block_ids") or [])
+    assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
+    assert service_info(d.service_url)["retained_blocks"] == base + blocks_a
+
+    # Declined blocks are freed: four more such turns need 4 x ~46 blocks on a 160-block decode that still
+    # holds conversation 1's ~46. Leaked blocks would leave them unschedulable (a timeout, not a pass).
+    for seed in range(3, 7):
+        pd_turn(p.url, d.url, _messages(p.url, seed), max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 5
+
+    # The granted lease survived all of that: the next turn of conversation 1 pulls it, and answers what a
+    # recompute of the same history answers, bit for bit.
+    second = [*first, {"role": "assistant", "content": turn_a.text}, {"role": "user", "content": "and then?"}]
+    pulled0 = service_info(p.service_url)["stats"]["tokens_pulled"]
+    reuse, _ = pd_turn(p.url, d.url, second, retained=held_a, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    assert service_info(p.service_url)["stats"]["tokens_pulled"] - pulled0 > 1000
+    recompute, _ = pd_turn(p.url, d.url, second, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    assert reuse.ids == recompute.ids
+    assert reuse.logprobs == recompute.logprobs
