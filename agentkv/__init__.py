@@ -25,6 +25,7 @@ from agentkv._exceptions import (
     TimeoutError_,
     ToolError,
     TransportError,
+    WarmUpError,
 )
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ __all__ = [
     "ToolError",
     "TransportError",
     "TurnStats",
+    "WarmUpError",
     "__version__",
     "new_conversation_id",
 ]

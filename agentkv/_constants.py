@@ -36,3 +36,5 @@ LEASE_PORT_OFFSET = 1000
 SIDE_CHANNEL_BASE_PORT = 5600
 # Key of the token fingerprints our connector adds to decode's kv_transfer_params (absent: a stock decode).
 FINGERPRINTS_KEY = "agentkv_block_hashes"
+# Decode's retention service URL in the kv_transfer_params it offers (prefill's still-held check calls it).
+SERVICE_KEY = "agentkv_service"

@@ -37,6 +37,7 @@ __all__ = [
     "TimeoutError_",
     "ToolError",
     "TransportError",
+    "WarmUpError",
 ]
 
 
@@ -68,6 +69,10 @@ class EngineStartError(EngineError):
 
 class ModelNotFoundError(EngineError):
     pass
+
+
+class WarmUpError(EngineError):
+    """A warm-up hop through a prefill/decode pair failed: the pair cannot serve P/D turns."""
 
 
 class TransportError(AgentKVError):

@@ -187,8 +187,39 @@ def _print_cluster(info: dict[str, Any]) -> None:
             e["name"], e["role"], e["url"], str(e["service"]), str(e["pid"]), str(e["ready_s"]), e["log"]
         )
     Console().print(table)
+    for w in info.get("warm_ups") or []:
+        Console().print(_warm_up_line(w))
     if info["router"]:
         Console().print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
+
+
+def _warm_up_line(w: dict[str, Any]) -> str:
+    pulled = f"{w['pulled_tokens']} tokens pulled" if w["pulled_tokens"] else "prefill declined the pull"
+    return (
+        f"warm-up {w['prefill']} <-> {w['decode']}: first turn {w['first_turn_ms']:.0f} ms, "
+        f"first pull {w['pull_ms']:.0f} ms ({pulled})"
+    )
+
+
+@app.command("warm-up")
+def warm_up(
+    prefill: Annotated[list[str], typer.Option("--prefill", help="Prefill URL (repeat).")],
+    decode: Annotated[list[str], typer.Option("--decode", help="Decode URL (repeat).")],
+) -> None:
+    """Two turns through every prefill/decode pair, so no user's turn pays NIXL's first handshakes.
+
+    `agentkv up` does this itself; run it after starting engines another way (and after a restart).
+    """
+    from dataclasses import asdict
+
+    from agentkv.server._warmup import warm_up_pair
+
+    try:
+        for p in prefill:
+            for d in decode:
+                console.print(_warm_up_line(asdict(warm_up_pair(prefill_url=p, decode_url=d))))
+    except AgentKVError as exc:
+        _fail(exc)
 
 
 @app.command()

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentkv._constants import (
     DEFAULT_DECODE_PORT,
@@ -28,6 +28,9 @@ from agentkv._constants import (
 )
 from agentkv._exceptions import ConfigError, EngineStartError
 from agentkv.server._launcher import Device, Engine, EngineSpec, detect_device, kill_group, port_in_use, tail
+
+if TYPE_CHECKING:
+    from agentkv.server._warmup import WarmUpReport
 
 __all__ = ["Cluster", "ClusterConfig", "stop_from_state"]
 
@@ -63,6 +66,9 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
     extra_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
+    # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
+    # NIXL's first handshakes (agentkv.server._warmup). A pair that cannot serve them fails the start.
+    warm_up: bool = True
 
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:
@@ -174,6 +180,7 @@ class Cluster:
         self.engines = [Engine(spec=spec, name=name) for name, spec in config.specs()]
         self.router: subprocess.Popen[bytes] | None = None
         self.start_seconds: dict[str, float] = {}
+        self.warm_ups: list[WarmUpReport] = []
 
     @property
     def prefills(self) -> list[Engine]:
@@ -198,11 +205,24 @@ class Cluster:
             with ThreadPoolExecutor(len(self.engines)) as pool:
                 for e, secs in zip(self.engines, pool.map(wait, self.engines), strict=True):
                     self.start_seconds[e.name] = round(secs, 1)
+            if self.config.warm_up:
+                self.warm_up()
             if self.config.router_port is not None:
                 self._start_router()
         except BaseException:
             self.down()
             raise
+
+    def warm_up(self) -> list[WarmUpReport]:
+        """Warm every prefill/decode pair (both NIXL directions); raises WarmUpError if one fails."""
+        from agentkv.server._warmup import warm_up_pair  # the router's wire format: imported when used
+
+        self.warm_ups = [
+            warm_up_pair(prefill_url=p.spec.url, decode_url=d.spec.url)
+            for p in self.prefills
+            for d in self.decodes
+        ]
+        return self.warm_ups
 
     def _start_router(self) -> None:
         cfg = self.config
@@ -282,6 +302,7 @@ class Cluster:
                 }
                 for e in self.engines
             ],
+            "warm_ups": [asdict(w) for w in self.warm_ups],
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()},
         }
 

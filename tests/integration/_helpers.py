@@ -325,35 +325,13 @@ def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
 
 
 def running(cfg: Any) -> Iterator[Any]:
-    """Start a cluster, warm every P/D pair, yield it, stop it: the body of each cluster fixture."""
+    """Start a cluster (``Cluster.up`` warms every P/D pair in both NIXL directions), yield it, stop it: the
+    body of each cluster fixture."""
     from agentkv.server._cluster import Cluster
 
     c = Cluster(config=cfg)
     c.up()
     try:
-        warm_up(c)
         yield c
     finally:
         c.down()
-
-
-def warm_up(cluster: Any) -> None:
-    """Two turns through every prefill/decode pair: P -> D, then the D -> P pull of what decode retained.
-
-    The first NIXL handshake in each direction can take tens of seconds on a loaded 2-core machine (a
-    deployment warms up the same way); tests then measure the steady state with the router's normal timeouts,
-    and a stock engine's first pull does not outlive its fixed TTL.
-    """
-    first = [{"role": "user", "content": "warm up"}]
-    for p in cluster.prefills:
-        for d in cluster.decodes:
-            turn, rid = pd_turn(p.spec.url, d.spec.url, first, max_tokens=2)
-            service = d.spec.service_url
-            retained = (retained_params(service, rid) if service else None) or turn.kv_transfer_params
-            if retained and retained.get("remote_block_ids"):
-                again = [
-                    *first,
-                    {"role": "assistant", "content": turn.text},
-                    {"role": "user", "content": "again"},
-                ]
-                pd_turn(p.spec.url, d.spec.url, again, retained=retained, max_tokens=2)

@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 from agentkv.server._cluster import Cluster
 
@@ -130,3 +131,16 @@ def test_tiny_model_answers_differ_between_prompts(cluster: Cluster) -> None:
     answers = [tuple(chat(p, [{"role": "user", "content": m}]).ids) for m in conversation_script(5, 4)]
     assert len(set(answers)) == len(answers), answers
     assert len({a[0] for a in answers}) > 1 or len({t for a in answers for t in a}) > 4
+
+
+def test_cluster_start_warmed_both_nixl_directions(cluster: Cluster) -> None:
+    """``Cluster.up`` ran two turns through the pair: decode read from prefill, then prefill pulled from
+    decode, so no test (and no user of ``agentkv up``) pays the first handshake of either direction."""
+    if not cluster.warm_ups:
+        pytest.skip("AGENTKV_IT_EXTERNAL=1: this session did not start the cluster")
+    (report,) = cluster.warm_ups
+    assert report.pulled_tokens > 64, report  # more than vLLM's recompute threshold: a real pull from decode
+    assert report.released >= 1, report  # and the warm-up left no lease behind
+    _, _, _, d_service = _urls(cluster)
+    held = retained_params(d_service, "warm-up-")  # containment match: any warm-up request id
+    assert held is None

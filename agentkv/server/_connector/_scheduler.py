@@ -17,7 +17,7 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING, Any, Literal
 
-from agentkv._constants import FINGERPRINTS_KEY
+from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY
 from agentkv._offer import cut_offer
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
@@ -44,7 +44,6 @@ __all__ = ["AgentKVScheduler"]
 
 logger = logging.getLogger("agentkv.connector")
 TAIL = "agentkv_tail_hash"
-SERVICE = "agentkv_service"
 RETAIN = "agentkv_retain"
 _BLIND_SLEEP_MAX_S = 0.02
 
@@ -124,7 +123,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "leases": self.leases is not None,
             "lease_s": self.agentkv.lease_s,
             "max_lease_s": self.agentkv.max_lease_s,
-            "retention_capacity_blocks": self.leases.capacity_blocks if self.leases else None,
+            "retention_capacity_blocks": None if self.leases is None else self.leases.capacity_blocks,
             "fixed_ttl_s": None if self.leases else self.decoder_kv_blocks_ttl,
             "block_size": self.block_size,
             "prefix_check": self.agentkv.prefix_check,
@@ -204,7 +203,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         reused) blocks would silently compute with wrong KV. Decode's vLLM never checks a read, so prefill
         asks first. Params without a service (stock decode) keep vLLM's own expiry check.
         """
-        service = params.get(SERVICE)
+        service = params.get(SERVICE_KEY)
         if not service:
             return True
         rid = params.get("remote_request_id")
@@ -243,7 +242,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             if self.leases is not None:
                 svc = self.service
                 if svc is not None:
-                    params[SERVICE] = f"http://{self.agentkv.service_host}:{svc.port}"
+                    params[SERVICE_KEY] = f"http://{self.agentkv.service_host}:{svc.port}"
                 deadline = self.leases.add(request.request_id, params, n, num_blocks=_count_blocks(block_ids))
                 if not deadline:
                     # No room under the retention cap: offer nothing and let the worker free the blocks at

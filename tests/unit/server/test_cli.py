@@ -54,7 +54,7 @@ def test_top_level_help_lists_every_subcommand() -> None:
     assert result.exit_code == 0, result.output
     out = result.output
     assert "Usage: agentkv" in out
-    for command in ("serve", "up", "down", "router", "demo", "model"):
+    for command in ("serve", "up", "down", "router", "demo", "model", "warm-up"):
         assert re.search(rf"^\W*{command}\s", out, re.M), f"{command} missing from:\n{out}"
 
 
@@ -183,3 +183,16 @@ def test_up_with_an_impossible_cluster_fails_cleanly(tmp_path: Path) -> None:
     assert missing.exit_code == 1
     assert "does not exist" in flat(missing.output)
     assert "Traceback" not in result.output + missing.output
+
+
+def test_warm_up_of_an_unreachable_pair_is_one_clear_error() -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = invoke(
+        "warm-up", "--prefill", f"http://127.0.0.1:{port}", "--decode", f"http://127.0.0.1:{port}"
+    )
+    assert result.exit_code == 1
+    assert "warm-up prefill /v1/models" in flat(result.output) and "Traceback" not in result.output
