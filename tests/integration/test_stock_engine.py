@@ -18,12 +18,13 @@ from agentkv.server._cluster import Cluster, ClusterConfig
 
 from ._cases import assistant_text_shortened, edited_earlier_user_message
 from ._helpers import (
-    ROUNDING_TOL,
     RouterProc,
+    Turn,
     assert_agrees_up_to_rounding,
     chat,
     conversation_script,
     new_id,
+    rounding_difference,
     running,
     start_router,
 )
@@ -117,9 +118,11 @@ def test_guarded_router_on_stock_engines_keeps_answers(
     stock_router: RouterProc, stock_off: RouterProc
 ) -> None:
     script = conversation_script(310, 3)
-    off, _ = run_case(assistant_text_shortened, stock_off.url, script, logprobs=False)
-    on, reuse = run_case(assistant_text_shortened, stock_router.url, script, logprobs=False)
-    assert on == off and "mismatch" in reuse
+    # Up to rounding, not bit for bit: a stock decode reads blocks it computed itself (decode-computed KV).
+    off, _ = run_case(assistant_text_shortened, stock_off.url, script, top=5)
+    on, reuse = run_case(assistant_text_shortened, stock_router.url, script)
+    assert not _differs_beyond_rounding(on, off), (on, off)
+    assert "mismatch" in reuse
 
 
 def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
@@ -201,13 +204,12 @@ def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], s
 
 
 def _differs_beyond_rounding(on: Record, off: Record) -> bool:
-    """Other tokens, or logprobs further apart than a stock decode's own rounding can move them."""
-    for (_, ids_on, lp_on), (_, ids_off, lp_off) in zip(on, off, strict=True):
-        if ids_on != ids_off:
-            return True
-        if any(abs(a - b) > ROUNDING_TOL for a, b in zip(lp_on, lp_off, strict=True)):
-            return True
-    return False
+    """Some turn of ``on`` departs from the baseline ``off`` (recorded with top logprobs) beyond rounding."""
+    return any(
+        rounding_difference(Turn(ids_on, "", logprobs=lp_on), Turn(ids_off, "", logprobs=lp_off, top=top_off))
+        is not None
+        for (_, ids_on, lp_on, _), (_, ids_off, lp_off, top_off) in zip(on, off, strict=True)
+    )
 
 
 def test_upstream_behaviour_changes_answers(
@@ -230,7 +232,7 @@ def test_upstream_behaviour_changes_answers(
     for case, seed in cases.items():
         script = conversation_script(seed, 3, letters=True)
         on, reuse = run_case(case, upstream_router.url, script)
-        off, _ = run_case(case, stock_off.url, script)
+        off, _ = run_case(case, stock_off.url, script, top=5)  # tops: a near-tie flip is not a change
         assert reuse[-1] == "hit", (case.__name__, reuse)  # the wrong history's turn read decode's KV
         seen.append((case.__name__, _differs_beyond_rounding(on, off)))
         if seen[-1][1]:
