@@ -170,19 +170,20 @@ def choose_path(
     decode_outstanding: int,
     local_max_tokens: int,
     model: CostModel,
+    exact: bool = False,
 ) -> PathDecision:
     """Pick the cheapest path to the first token for this turn.
 
     Decode-local prefill stalls every stream running on that decode for the suffix's duration, so its
-    cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local (a negative cap:
-    never local at all, which exact mode uses)."""
+    cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local. ``exact``:
+    never local at all, since decode would serve the prefix from KV it computed itself."""
     if not reuse_ok:
         return PathDecision(path="recompute", reason="no reusable blocks")
     if policy == "always-pd":
         return PathDecision(path="pull", reason="policy always-pd")
     if policy == "always-local":
         return PathDecision(path="decode-local", reason="policy always-local")
-    if local_max_tokens < 0:
+    if exact:
         return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
     if new_tokens > local_max_tokens:
         return PathDecision(path="pull", reason=f"suffix ~{new_tokens} tokens > local cap {local_max_tokens}")

@@ -160,9 +160,9 @@ class TurnRunner:
             reuse_ok=verdict == "ok",
             new_tokens=book.cost.estimate_tokens(new_chars),
             decode_outstanding=decode.outstanding,
-            # Exact mode never goes local: decode would serve the prefix from KV it computed itself.
-            local_max_tokens=-1 if self._s.exact else self._s.decode_local_max_tokens,
+            local_max_tokens=self._s.decode_local_max_tokens,
             model=book.cost,
+            exact=self._s.exact,
         )
         book.decided(turn, decision)
         turn.path = decision.path

@@ -126,9 +126,24 @@ def test_line_recovers_fixed_and_rate() -> None:
     assert single.predict(200) == pytest.approx(100)
 
 
-def decide(model: CostModel, *, n: int, load: int = 0, policy: str = "auto", ok: bool = True, cap: int = 512):
+def decide(
+    model: CostModel,
+    *,
+    n: int,
+    load: int = 0,
+    policy: str = "auto",
+    ok: bool = True,
+    cap: int = 512,
+    exact: bool = False,
+):
     return choose_path(
-        policy=policy, reuse_ok=ok, new_tokens=n, decode_outstanding=load, local_max_tokens=cap, model=model
+        policy=policy,
+        reuse_ok=ok,
+        new_tokens=n,
+        decode_outstanding=load,
+        local_max_tokens=cap,
+        model=model,
+        exact=exact,
     )
 
 
@@ -142,9 +157,9 @@ def test_path_choice() -> None:
     assert decide(model, n=50, ok=False).path == "recompute"
     assert decide(model, n=50, policy="always-pd").path == "pull"
     assert decide(model, n=400, policy="always-local").path == "decode-local"
-    # Exact mode (a negative cap): never local, however cheap, since decode would reuse its own KV.
-    assert decide(model, n=50, cap=-1).path == "pull"
-    assert decide(CostModel(), n=50, cap=-1).path == "pull"
+    # Exact mode: never local, however cheap, since decode would reuse its own KV.
+    assert decide(model, n=50, exact=True).path == "pull"
+    assert decide(CostModel(), n=50, exact=True).path == "pull"
 
 
 def test_path_choice_before_costs_are_measured() -> None:
