@@ -19,7 +19,7 @@ import pytest
 from agentkv.server._cluster import Cluster, ClusterConfig
 from agentkv.server._model import tiny_serving
 
-from ._helpers import MODEL, pd_turn, retained_params, running, service_info
+from ._helpers import MODEL, chat, pd_turn, retained_params, running, service_info, start_router
 from .conftest import LOG_DIR
 
 P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
@@ -106,3 +106,37 @@ def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(
     recompute, _ = pd_turn(p.url, d.url, second, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
     assert reuse.ids == recompute.ids
     assert reuse.logprobs == recompute.logprobs
+
+
+def test_the_router_offers_nothing_from_a_turn_decode_declined_to_retain(capped: Cluster) -> None:
+    """A declined retention leaves the router no record to offer: the next turn is a plain miss (prefill is
+    offered nothing), not an empty offer that prefill would have to refuse."""
+    p, d = capped.prefills[0].spec, capped.decodes[0].spec
+    assert p.service_url and d.service_url
+    # Fill decode's retention share with direct turns until one more conversation cannot fit.
+    for seed in range(20, 24):
+        if service_info(d.service_url)["retained_blocks"] + 46 > TOTAL_BLOCKS // 2:
+            break
+        pd_turn(p.url, d.url, _messages(p.url, seed), max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    else:
+        pytest.fail("decode kept retaining past its cap")
+    router = start_router(
+        port=26000,
+        prefill=[p.url],
+        decode=[d.url],
+        log=LOG_DIR / "router-capped.log",
+        args=["--path-policy", "always-pd"],
+    )
+    try:
+        cid = "capped-declined"
+        history = _messages(p.url, 30)
+        declined0 = service_info(d.service_url)["stats"]["not_retained"]
+        first = chat(router.url, history, conversation_id=cid, max_tokens=8)
+        assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "next"}]
+        offered0 = service_info(p.service_url)["stats"]["tokens_offered"]
+        second = chat(router.url, history, conversation_id=cid, max_tokens=8)
+        assert second.headers["x-agentkv-reuse"] == "miss", second.headers
+        assert service_info(p.service_url)["stats"]["tokens_offered"] == offered0
+    finally:
+        router.stop()

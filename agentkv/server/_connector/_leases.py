@@ -59,7 +59,6 @@ class LeaseTable:
         self.lease_s = lease_s
         self.max_lease_s = max_lease_s
         self.capacity_blocks = capacity_blocks
-        self.declined = 0  # retentions that did not fit (a counter the connector exports)
         self._clock = clock
         self._lock = threading.Lock()
         self._retained: dict[str, Retained] = {}  # insertion order = retention order (oldest first)
@@ -72,7 +71,6 @@ class LeaseTable:
         now = self._clock()
         with self._lock:
             if self.capacity_blocks is not None and not self._fits(num_blocks, now):
-                self.declined += 1
                 return 0.0
             self._retained[request_id] = Retained(
                 request_id, params, now + self.lease_s, num_tokens, num_blocks

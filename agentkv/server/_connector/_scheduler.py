@@ -245,10 +245,11 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                     params[SERVICE_KEY] = f"http://{self.agentkv.service_host}:{svc.port}"
                 deadline = self.leases.add(request.request_id, params, n, num_blocks=_count_blocks(block_ids))
                 if not deadline:
-                    # No room under the retention cap: offer nothing and let the worker free the blocks at
-                    # its next step (vLLM already tracks them for sending, so they cannot be freed here).
+                    # No room under the retention cap: offer nothing (no block list, so neither the router
+                    # nor a prefill takes it for an offer) and let the worker free the blocks at its next
+                    # step (vLLM already tracks them for sending, so they cannot be freed here).
                     self.stats["not_retained"] += 1
-                    params.update(cut_offer(params, 0, self.block_size))
+                    params.update(remote_num_tokens=0, remote_block_ids=[])
                     deadline = time.perf_counter()
                 else:
                     self.stats["retained"] += 1

@@ -166,10 +166,11 @@ class TurnBook:
                 expires_at = now + (decode.lease_s or self.settings.lease_s)
         elif params:
             state, expires_at = "fixed_ttl", now + self.settings.vllm_fixed_ttl_s
-        if not params or not params.get("remote_block_ids"):
+        tokens = (params or {}).get("remote_num_tokens")
+        if not params or not params.get("remote_block_ids") or tokens == 0:
+            # Nothing held; 0 tokens is a decode that declined to retain (our connector's retention cap).
             return None, None, "none", 0
         decode.saw_registration(Registration.of_params(params))
-        tokens = params.get("remote_num_tokens")
         return params, expires_at, state, tokens if isinstance(tokens, int) else 0
 
     def _learn_costs(self, turn: Turn) -> None:
