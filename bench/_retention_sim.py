@@ -195,6 +195,7 @@ class _Stats:
     reused_tokens: int = 0
     prompt_tokens: int = 0
     refused: int = 0
+    evicted: int = 0
     released: int = 0
     expired: int = 0
     read: int = 0
@@ -211,13 +212,18 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         return now
 
     policy: Policy
-    if policy_name == "lease":
+    # "lease-evict": the alternative to the connector's cap that was measured and not shipped; the table runs
+    # uncapped and the replay evicts the longest-retained leases (releasing them) to admit each new one.
+    evict = policy_name == "lease-evict"
+    if policy_name in ("lease", "lease-evict"):
         policy = HeartbeatLease(
             lease_s=scenario.lease_s,
             max_lease_s=scenario.max_lease_s,
             clock=clock,
-            capacity_blocks=scenario.capacity_blocks,
+            capacity_blocks=None if evict else scenario.capacity_blocks,
         )
+        if evict:
+            policy.name += ", evict oldest"
     else:
         policy = FixedTTL(ttl_s=scenario.ttl_s, clock=clock, capacity_blocks=scenario.capacity_blocks)
     stats = _Stats()
@@ -284,6 +290,13 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
             blocks = math.ceil(tokens / scenario.block_size)
             in_use = sweep()
             new_id = f"c{conversation}t{turn}"
+            if evict and scenario.capacity_blocks is not None and blocks <= scenario.capacity_blocks:
+                for victim in list(live):  # insertion order: the longest-retained first
+                    if in_use + blocks <= scenario.capacity_blocks:
+                        break
+                    policy.close(victim)
+                    in_use -= live[victim].blocks
+                    settle(victim, now, "evicted")
             deadline = policy.add(new_id, tokens, blocks, in_use)
             if not deadline:
                 stats.refused += 1  # no room: decode frees the blocks instead of retaining them
@@ -316,6 +329,7 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         "continuation_turns": stats.continuation_turns,
         "reused_token_fraction": stats.reused_tokens / stats.prompt_tokens if stats.prompt_tokens else None,
         "refused": stats.refused,
+        "evicted": stats.evicted,
         "released": stats.released,
         "expired": stats.expired,
         "read": stats.read,

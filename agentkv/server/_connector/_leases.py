@@ -13,7 +13,7 @@ Capacity: leases may hold at most ``capacity_blocks`` of decode's KV blocks. vLL
 bound, so idle conversations can fill decode and make live requests wait for blocks. Here a retention that
 does not fit is declined, and a lease once granted is kept until it is read, released or runs out. Evicting
 the longest-retained lease to admit the new one was measured and lost (``python -m bench.retention``, capped
-scenario: hit rate 0.34 vs 0.50): most new retentions belong to conversations that never continue, while a
+scenario, row "evict oldest": hit rate 0.33 vs 0.50): most new retentions belong to conversations that never continue, while a
 lease that survived its heartbeats belongs to one that does. Never evicting also means no lease can be freed
 under a NIXL read that prefill already started.
 """

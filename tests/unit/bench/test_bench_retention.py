@@ -103,3 +103,16 @@ def test_on_the_trace_the_bounds_hit_what_the_fixed_pin_hits_for_fewer_block_sec
     assert result["ideal window"]["hit_rate"] == pytest.approx(fixed["hit_rate"])
     ideal, hindsight = result["ideal window"]["block_seconds"], result["hindsight"]["block_seconds"]
     assert 0 < hindsight < ideal < fixed["block_seconds"]
+
+
+def test_the_cap_declines_the_newcomer_where_eviction_would_drop_the_oldest() -> None:
+    capped = Scenario(**{**SCENARIO.__dict__, "capacity_blocks": 15})
+    # Conversation 0 retains 10 blocks at t=0 and comes back at t=100; conversation 1 needs 10 at t=50.
+    scripts = [
+        ScriptedConversation(turns=[turn(0), turn(100)], vanishes=False),
+        ScriptedConversation(turns=[turn(50)], vanishes=True),
+    ]
+    kept = run(scripts, "lease", capped)
+    assert kept["refused"] == 1 and kept["evicted"] == 0 and kept["hit_rate"] == 1.0
+    evicting = run(scripts, "lease-evict", capped)
+    assert evicting["evicted"] == 1 and evicting["refused"] == 0 and evicting["hit_rate"] == 0.0
