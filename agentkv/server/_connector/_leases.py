@@ -12,10 +12,10 @@ applies them in ``build_connector_meta`` (the only place vLLM lets us change dea
 Capacity: leases may hold at most ``capacity_blocks`` of decode's KV blocks. vLLM's fixed pin has no such
 bound, so idle conversations can fill decode and make live requests wait for blocks. Here a retention that
 does not fit is declined, and a lease once granted is kept until it is read, released or runs out. Evicting
-the longest-retained lease to admit the new one was measured and lost (``python -m bench.retention``, capped
-scenario, row "evict oldest": hit rate 0.33 vs 0.50): most new retentions belong to conversations that never continue, while a
-lease that survived its heartbeats belongs to one that does. Never evicting also means no lease can be freed
-under a NIXL read that prefill already started.
+the longest-retained lease to admit the new one was measured and lost (``python -m bench.retention``,
+capped scenario, row "evict oldest": hit rate 0.33 vs 0.50): most new retentions belong to conversations
+that never continue, while a lease that survived its heartbeats belongs to one that does. Never evicting
+also means no lease can be freed under a NIXL read that prefill already started.
 """
 
 from __future__ import annotations
