@@ -204,6 +204,12 @@ class _Stats:
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, retained blocks)
 
 
+def _retained_size(spec: ScriptedTurn, scenario: Scenario) -> tuple[int, int]:
+    """Tokens and blocks decode retains after a turn: vLLM's ``num_computed_tokens`` (prompt + output - 1)."""
+    tokens = spec.input_length + spec.output_length - 1
+    return tokens, math.ceil(tokens / scenario.block_size)
+
+
 def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name: str) -> dict[str, Any]:
     """Replay every script against one policy; returns block-seconds, hit rate and counters."""
     now = 0.0
@@ -286,8 +292,7 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
             push(now + service, "finish", conversation, turn)
         elif kind == "finish":
             spec = script.turns[turn]
-            tokens = spec.input_length + spec.output_length - 1  # vLLM's num_computed_tokens
-            blocks = math.ceil(tokens / scenario.block_size)
+            tokens, blocks = _retained_size(spec, scenario)
             in_use = sweep()
             new_id = f"c{conversation}t{turn}"
             if evict and scenario.capacity_blocks is not None and blocks <= scenario.capacity_blocks:
@@ -361,7 +366,7 @@ def bounds(scripts: list[ScriptedConversation], scenario: Scenario) -> dict[str,
     hits = continuation_turns = 0
     for script in scripts:
         for index, spec in enumerate(script.turns[:-1]):
-            blocks = math.ceil((spec.input_length + spec.output_length - 1) / scenario.block_size)
+            _, blocks = _retained_size(spec, scenario)
             gap = script.turns[index + 1].gap_s
             continuation_turns += 1
             ideal += blocks * min(gap, window)

@@ -239,24 +239,22 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 request.all_token_ids, self.block_size, limit_tokens=n
             )
             params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
+            retained = True
             if self.leases is not None:
                 svc = self.service
                 if svc is not None:
                     params[SERVICE_KEY] = f"http://{self.agentkv.service_host}:{svc.port}"
                 deadline = self.leases.add(request.request_id, params, n, num_blocks=_count_blocks(block_ids))
-                if not deadline:
+                retained = bool(deadline)
+                if not retained:
                     # No room under the retention cap: offer nothing (no block list, so neither the router
                     # nor a prefill takes it for an offer) and let the worker free the blocks at its next
                     # step (vLLM already tracks them for sending, so they cannot be freed here).
-                    self.stats["not_retained"] += 1
                     params.update(remote_num_tokens=0, remote_block_ids=[])
                     deadline = time.perf_counter()
-                else:
-                    self.stats["retained"] += 1
                 self._reqs_need_send[request.request_id] = deadline
                 params["remote_blocks_expiry_time"] = deadline
-            else:
-                self.stats["retained"] += 1
+            self.stats["retained" if retained else "not_retained"] += 1
         return delay, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
