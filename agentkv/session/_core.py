@@ -59,6 +59,7 @@ class PreparedTurn:
     request_id: str
     started: float
     streamed: bool
+    final: bool = False  # sent with x-agentkv-final-turn: the router kept nothing to heartbeat for
 
 
 class SessionCore:
@@ -119,7 +120,7 @@ class SessionCore:
         if stream:
             request["stream_options"] = {**(options.get("stream_options") or {}), "include_usage": True}
         self.scheduler.turn_started()
-        return PreparedTurn(new, request, headers["x-request-id"], self._clock(), stream)
+        return PreparedTurn(new, request, headers["x-request-id"], self._clock(), stream, final)
 
     def finish(
         self,
@@ -149,7 +150,10 @@ class SessionCore:
         self.turns.append(stats)
         self._last_turn_end = now
         self.scheduler.turn_finished(
-            now, lease_expires_in_s=router.lease_expires_in_s, from_agentkv=router.from_agentkv
+            now,
+            lease_expires_in_s=router.lease_expires_in_s,
+            from_agentkv=router.from_agentkv,
+            final=turn.final,
         )
         return stats
 

@@ -59,11 +59,18 @@ class HeartbeatScheduler:
         with self._lock:
             self._in_turn = True
 
-    def turn_finished(self, now: float, *, lease_expires_in_s: float | None, from_agentkv: bool) -> None:
+    def turn_finished(
+        self, now: float, *, lease_expires_in_s: float | None, from_agentkv: bool, final: bool = False
+    ) -> None:
         with self._lock:
             self._in_turn = False
             self._last_turn_end = now
             self._agentkv_seen = self._agentkv_seen or from_agentkv
+            if final:
+                # The router released the conversation after a final turn: nothing is left to keep alive
+                # (a later turn, if any, plans again).
+                self._next_at = None
+                return
             # Streams carry no lease header; assume the router's default lease until a beat says more.
             lease = DEFAULT_LEASE_S if lease_expires_in_s is None else lease_expires_in_s
             self._plan(now, lease)

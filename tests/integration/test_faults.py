@@ -328,6 +328,13 @@ def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
     b = replicas[1]
     cid = new_id("midstream")
     h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(590, 1)[0]}]
+    # A first turn places the conversation, so the decode to kill is known from the router's record before
+    # the stream starts. (Asking the engines which one is generating raced with the stream: the tiny model
+    # streams ~3,000 tokens a second, and on 2 busy cores the whole answer could be done before the check.)
+    h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid, max_tokens=6).text})
+    engine = _engine(cluster22, _decode_of(b, cid))
+    assert engine.pid
+    h.append({"role": "user", "content": "tool result: a long report follows"})
     body = {
         "model": "tiny",
         "messages": h,
@@ -349,26 +356,15 @@ def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
             if len(events) == 5 and not killed:
                 killed = True
                 # A crash, not a shutdown: on SIGTERM vLLM ends its streams itself (finish_reason "abort").
-                engine = _engine(cluster22, _decode_of_stream(b, cid))
-                assert engine.pid
+                # The turn is sticky to the conversation's decode, so this is the engine generating it; had
+                # it been another, the stream would end normally and the error check below would fail.
                 os.killpg(engine.pid, signal.SIGKILL)
     assert time.monotonic() - t0 < 60
     assert events[-1] == "[DONE]"
-    assert "error" in json.loads(events[-2])
+    assert "error" in json.loads(events[-2]), events[-2]
     # The conversation goes on (on the surviving decode) with a correct answer, then reuses again.
     h += [{"role": "user", "content": "again"}]
     t = chat(b.url, h, conversation_id=cid)
     assert t.ids == chat(off22.url, h).ids
+    assert _decode_of(b, cid) != engine.name.replace("decode", "d")
     _resumes(b, off22, cid, h, t)
-
-
-def _decode_of_stream(router: RouterProc, cid: str) -> str:
-    """During a first turn the router has no record yet: find the decode engine that is generating."""
-    del router, cid
-    for name in ("d0", "d1"):
-        url = f"http://127.0.0.1:{D_PORT + int(name[1])}"
-        m = httpx.get(f"{url}/metrics", timeout=5).text
-        for line in m.splitlines():
-            if line.startswith("vllm:num_requests_running") and not line.rstrip().endswith(" 0.0"):
-                return name
-    raise AssertionError("no decode is running the stream")

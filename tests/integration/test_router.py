@@ -115,15 +115,19 @@ def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router
     assert service_info(ps)["stats"]["tokens_offered"] == offered0  # prefill never saw the forged offer
 
 
+def _no_leases_left(service_url: str) -> None:
+    """Earlier tests' leases run out on their own meanwhile; wait for them so that the counts a test reads
+    see only its own conversation (once, a lease ending between two reads made "retained" drop by 2)."""
+    deadline = time.monotonic() + 120  # test leases are 14 s; an SDK session may have extended one
+    while service_info(service_url)["retained"] > 0:
+        assert time.monotonic() < deadline, "leases of earlier tests did not run out"
+        time.sleep(0.5)
+
+
 def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
     d = cluster.decodes[0].spec
     assert d.service_url
-    # Earlier tests' leases run out on their own meanwhile; wait for them so that the counts below see only
-    # this conversation (once, a lease ending between the two reads made "retained" drop by 2).
-    deadline = time.monotonic() + 120  # test leases are 14 s; an SDK session may have extended one
-    while service_info(d.service_url)["retained"] > 0:
-        assert time.monotonic() < deadline, "leases of earlier tests did not run out"
-        time.sleep(0.5)
+    _no_leases_left(d.service_url)
     cid = new_id("release")
     run_conversation(router.url, conversation_script(13, 1), conversation_id=cid)
     state = httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()
@@ -138,6 +142,31 @@ def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: 
         time.sleep(0.2)
     assert metric(d.url, "vllm:kv_cache_usage_perc") < usage_before
     assert service_info(d.service_url)["retained"] == retained_before - 1
+    assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
+
+
+def test_final_turn_reuses_then_frees_decode_blocks_at_once(
+    cluster: Cluster, router: RouterProc, router_off: RouterProc
+) -> None:
+    d = cluster.decodes[0].spec
+    assert d.service_url
+    _no_leases_left(d.service_url)
+    cid = new_id("final")
+    script = conversation_script(17, 2)
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    first = chat(router.url, h, conversation_id=cid)
+    assert service_info(d.service_url)["retained"] == 1
+    h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    last = chat(router.url, h, conversation_id=cid, headers={"x-agentkv-final-turn": "true"})
+    # The final turn itself still pulls the previous turn's KV and answers as a recompute does.
+    assert last.headers.get("x-agentkv-reuse") == "hit"
+    assert last.ids == chat(router_off.url, h).ids
+    assert "x-agentkv-lease-expires-in" not in last.headers
+    # P's read freed the first turn's blocks; the final turn's own are released, not held 14 s.
+    deadline = time.monotonic() + 5
+    while service_info(d.service_url)["retained"] > 0:
+        assert time.monotonic() < deadline, "decode still holds the final turn's blocks"
+        time.sleep(0.1)
     assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
 
 

@@ -26,6 +26,7 @@ from ._ids import (
     Endpoint,
     conversation_key,
     extract_conversation_id,
+    final_turn,
     new_request_id,
     parse_body,
     tenant_of,
@@ -175,6 +176,7 @@ def _completion_route(endpoint: Endpoint, api_path: str) -> Handler:
             conversation_id=conversation_id,
             key=conversation_key(tenant, conversation_id) if conversation_id else None,
             request_id=new_request_id(),
+            final=final_turn(request.headers),
         )
         return await router.runner.run(turn)
 

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from agentkv._constants import ALT_SESSION_HEADERS, BODY_ID_FIELDS, CONVERSATION_ID_PATTERN
+from agentkv._constants import ALT_SESSION_HEADERS, BODY_ID_FIELDS, CONVERSATION_ID_PATTERN, H_FINAL_TURN
 
 from ._errors import client_error
 
@@ -18,6 +18,7 @@ __all__ = [
     "Endpoint",
     "conversation_key",
     "extract_conversation_id",
+    "final_turn",
     "new_request_id",
     "parse_body",
     "tenant_of",
@@ -46,6 +47,20 @@ def extract_conversation_id(
         if field in body and body[field] is not None:
             return validate_conversation_id(body[field], field)
     return None
+
+
+_TRUE, _FALSE = frozenset({"true", "1", "yes"}), frozenset({"false", "0", "no", ""})
+
+
+def final_turn(headers: Mapping[str, str]) -> bool:
+    """Whether the client says this is the conversation's last turn (nothing of it will be reused)."""
+    value = headers.get(H_FINAL_TURN, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    # A typo must not silently keep (or drop) decode memory: say what the header accepts.
+    raise client_error(400, f"invalid {H_FINAL_TURN} header: expected true or false", param=H_FINAL_TURN)
 
 
 def validate_conversation_id(value: Any, where: str) -> str:

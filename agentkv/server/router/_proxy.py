@@ -47,6 +47,8 @@ class Turn:
     conversation_id: str | None
     key: str | None  # conversation_key(tenant, conversation_id)
     request_id: str
+    # x-agentkv-final-turn: the conversation ends with this turn, so decode retains nothing for it.
+    final: bool = False
     started: float = dataclasses.field(default_factory=time.perf_counter)
     # Filled in as the turn runs, for headers, the log line and the bookkeeping afterwards.
     prefill: str = "-"

@@ -107,7 +107,7 @@ class TurnBook:
 
     def keeps(self, turn: Turn) -> bool:
         """Whether `remember` will store this turn's record (it can still lose a race to another turn)."""
-        return turn.key is not None and self.settings.reuse
+        return turn.key is not None and self.settings.reuse and not turn.final
 
     async def remember(
         self, turn: Turn, record: ConversationRecord | None, new: ConversationRecord
@@ -126,12 +126,27 @@ class TurnBook:
             if stored is not None and record is not None and not turn.used_retained:
                 # P's read frees decode's blocks on a pull; any other path leaves the old ones pinned.
                 await self.release(record)
+        elif turn.final and turn.key is not None:
+            await self._end(turn, record)
         if stored is None:
-            # No id, reuse off, or another turn/replica won the race: nobody will come back for these
-            # blocks, so free decode memory now rather than at lease expiry.
+            # No id, reuse off, a final turn, or another turn/replica won the race: nobody will come back
+            # for these blocks, so free decode memory now rather than at lease expiry.
             await self.release(new)
         self.log(turn)
         return stored
+
+    async def _end(self, turn: Turn, record: ConversationRecord | None) -> None:
+        """A final turn: forget the conversation (as DELETE does) and free what its last record held,
+        unless P's read already freed it."""
+        assert turn.key is not None
+        try:
+            gone = await self.store.delete(turn.key)
+        except StoreUnavailableError as exc:  # the record's TTL still ends it; only decode memory waits
+            logger.warning("could not forget %s after its final turn: %s", turn.conversation_id, exc)
+            gone = None
+        old = gone or record
+        if old is not None and not turn.used_retained:
+            await self.release(old)
 
     async def failed(self, turn: Turn, record: ConversationRecord | None) -> None:
         """A turn broke after its hops started. If P was offered decode's blocks they are consumed."""

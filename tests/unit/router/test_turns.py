@@ -245,6 +245,56 @@ async def test_no_conversation_id_serves_without_reuse_and_frees_blocks(
     assert len(engines.released) == 1
 
 
+async def test_final_turn_frees_both_turns_blocks_and_forgets_the_conversation(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        assert engines.released == []
+        messages = next_messages(USER1, first)
+        r = await client.post(
+            CHAT,
+            json={"model": "tiny", "messages": messages},
+            headers={"x-session-id": "c1", "x-agentkv-final-turn": "true"},
+        )
+        assert r.status_code == 200 and r.headers["x-agentkv-reuse"] == "hit"
+        assert "x-agentkv-lease-expires-in" not in r.headers  # nothing is kept for a next turn
+        assert await store_of(client).get("-/c1") is None
+        assert (await client.get("/v1/conversations/c1")).status_code == 404
+    # The pull freed the first turn's blocks on decode; the final turn's own blocks are released at once.
+    assert len(engines.released) == 1
+
+
+async def test_final_turn_without_a_pull_releases_the_previous_blocks_too(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        await chat(client, USER1)
+        # An unrelated history on the same id: no pull, so decode still holds the first turn's blocks.
+        other = [{"role": "user", "content": "something else entirely"}]
+        r = await client.post(
+            CHAT,
+            json={"model": "tiny", "messages": other, "stream": True},
+            headers={"x-session-id": "c1", "x-agentkv-final-turn": "1"},
+        )
+        assert r.status_code == 200 and r.headers["x-agentkv-reuse"] == "mismatch"
+        assert await store_of(client).get("-/c1") is None
+    assert len(engines.released) == 2
+
+
+async def test_bad_final_turn_header_is_a_400_and_touches_nothing(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        r = await client.post(
+            CHAT,
+            json={"model": "tiny", "messages": USER1},
+            headers={"x-session-id": "c1", "x-agentkv-final-turn": "maybe"},
+        )
+        assert r.status_code == 400
+        assert r.json()["error"]["param"] == "x-agentkv-final-turn"
+        assert await store_of(client).get("-/c1") is None
+    assert engines.completions("p") == [] and engines.completions("d") == []
+
+
 async def test_streaming_passthrough_then_retention_lookup(engines: FakeEngines, make_client) -> None:
     engines.reply = lambda body: {"content": "one two three"}
     async with make_client() as client:

@@ -180,3 +180,14 @@ async def test_task_driver_beats_and_stops() -> None:
     await driver.stop()
     assert driver._task is not None and driver._task.done()
     assert s.beats >= 1
+
+
+def test_a_final_turn_leaves_nothing_to_beat_for_until_the_next_turn() -> None:
+    s = scheduler()
+    s.turn_finished(0.0, lease_expires_in_s=30.0, from_agentkv=True)
+    s.turn_started()
+    s.turn_finished(5.0, lease_expires_in_s=None, from_agentkv=True, final=True)
+    assert s.due_in(100.0) is None
+    s.turn_started()  # the agent went on after all: its next turn plans beats again
+    s.turn_finished(200.0, lease_expires_in_s=30.0, from_agentkv=True)
+    assert s.due_in(200.0) == pytest.approx(10.0)

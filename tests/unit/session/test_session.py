@@ -181,3 +181,23 @@ def test_expired_lease_seen_by_heartbeat_is_recorded_on_the_next_turn(
     session.close()
     assert [t.lease_expired for t in session.turns] == [False, True]
     assert json.loads(router.requests[1].content)["messages"][0] == {"role": "user", "content": "one"}
+
+
+def test_final_turn_sends_the_header_and_plans_no_heartbeat(
+    control: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    router = ScriptedRouter(
+        [
+            ScriptedReply.completion(headers=router_headers(reuse="miss", lease_expires_in_s=30)),
+            ScriptedReply.completion(headers=router_headers(reuse="hit")),
+        ]
+    )
+    session = make(router, heartbeat=True, clock=FakeClock())
+    monkeypatch.setattr(session._heartbeat, "notify", lambda: None)  # no thread: ask the scheduler
+    session.chat("one")
+    assert "x-agentkv-final-turn" not in router.requests[0].headers
+    assert session._core.scheduler.due_in(0.0) is not None
+    session.chat("two", final=True)
+    assert router.requests[1].headers["x-agentkv-final-turn"] == "true"
+    assert session._core.scheduler.due_in(0.0) is None
+    session.close()
