@@ -38,3 +38,12 @@ SIDE_CHANNEL_BASE_PORT = 5600
 FINGERPRINTS_KEY = "agentkv_block_hashes"
 # Decode's retention service URL in the kv_transfer_params it offers (prefill's still-held check calls it).
 SERVICE_KEY = "agentkv_service"
+# Shared secret of decode's retention service: with it set, every call that reads, renews or releases a
+# lease needs `Authorization: Bearer <token>`. Environment only (decode, prefill, router alike): vLLM logs
+# kv_connector_extra_config and command lines show in `ps`.
+SERVICE_TOKEN_ENV = "AGENTKV_SERVICE_TOKEN"
+
+
+def service_headers(token: str | None) -> dict[str, str]:
+    """The headers a retention-service call carries (none without a token)."""
+    return {"authorization": f"Bearer {token}"} if token else {}

@@ -14,6 +14,7 @@ warm-up leaves on decode are released at the end.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from agentkv._constants import SERVICE_KEY
+from agentkv._constants import SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
 from agentkv._exceptions import WarmUpError
 from agentkv.server.router._params import KV_KEY, decode_body, prefill_body
 
@@ -115,7 +116,8 @@ def _release(http: httpx.Client, params: dict[str, Any] | None) -> int:
     if not service or not rid:
         return 0  # a stock decode: its fixed TTL frees the blocks
     try:
-        return int(http.delete(f"{service}/agentkv/v1/leases/{rid}").status_code == 200)
+        headers = service_headers(os.environ.get(SERVICE_TOKEN_ENV))
+        return int(http.delete(f"{service}/agentkv/v1/leases/{rid}", headers=headers).status_code == 200)
     except httpx.HTTPError:
         return 0  # the lease runs out on its own; nothing is wrong with the pair
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from agentkv._constants import SERVICE_TOKEN_ENV, service_headers
 from agentkv.server._launcher import kill_group, tail
 
 MODEL = "tiny"
@@ -39,8 +40,14 @@ def metric(url: str, name: str, **labels: str) -> float:
     return total
 
 
+def service_call(method: str, url: str, **kwargs: Any) -> httpx.Response:
+    """A call to an engine's retention service, with the token the suite runs every engine with."""
+    headers = {**service_headers(os.environ.get(SERVICE_TOKEN_ENV)), **kwargs.pop("headers", {})}
+    return httpx.request(method, url, headers=headers, timeout=5, **kwargs)
+
+
 def service_info(service_url: str) -> dict[str, Any]:
-    return httpx.get(f"{service_url}/agentkv/v1/info", timeout=5).json()
+    return service_call("GET", f"{service_url}/agentkv/v1/info").json()
 
 
 @dataclass
@@ -336,7 +343,7 @@ def pd_turn(
 
 def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
     for _ in range(20):  # decode's bookkeeping can trail the response by a step
-        r = httpx.get(f"{service_url}/agentkv/v1/retained/{request_id}", timeout=5)
+        r = service_call("GET", f"{service_url}/agentkv/v1/retained/{request_id}")
         if r.status_code == 200:
             return r.json()["kv_transfer_params"]
         time.sleep(0.05)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import re
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from agentkv._constants import SERVICE_TOKEN_ENV
 from agentkv.server._cluster import Cluster, ClusterConfig
 from agentkv.server._model import tiny_serving
 
@@ -29,6 +31,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "tests/integration" in str(item.fspath):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def service_token() -> Iterator[str]:
+    """Every engine, router and warm-up of the suite runs with a retention-service token, as a deployment
+    should: each reads it from the environment, so this is set before any of them starts."""
+    token = f"it-{uuid.uuid4().hex}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SERVICE_TOKEN_ENV, token)
+        yield token
 
 
 @pytest.fixture(scope="session")

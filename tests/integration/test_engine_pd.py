@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-import httpx
 import pytest
 
 from agentkv.server._cluster import Cluster
@@ -17,6 +16,7 @@ from ._helpers import (
     metric,
     pd_turn,
     retained_params,
+    service_call,
     service_info,
 )
 
@@ -102,7 +102,7 @@ def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None
 
     def release(ds: str, rid: str) -> None:
         # Decode frees the blocks at its next step, and they may be reused at once.
-        assert httpx.delete(f"{ds}/agentkv/v1/leases/{rid}", timeout=5).status_code == 200
+        assert service_call("DELETE", f"{ds}/agentkv/v1/leases/{rid}").status_code == 200
         deadline = time.monotonic() + 10
         while retained_params(ds, rid) is not None and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -117,7 +117,7 @@ def test_lease_expiry_recomputes_and_answers_correctly(cluster: Cluster) -> None
     from .conftest import LEASE_S
 
     def outlast_the_lease(ds: str, rid: str) -> None:
-        held = httpx.get(f"{ds}/agentkv/v1/retained/{rid}", timeout=5).json()
+        held = service_call("GET", f"{ds}/agentkv/v1/retained/{rid}").json()
         assert 0 < held["expires_in_s"] <= LEASE_S
         time.sleep(held["expires_in_s"] + 1)  # the agent's tool ran longer than the lease; nobody renewed it
 

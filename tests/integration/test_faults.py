@@ -1,7 +1,8 @@
 """Issues 3 and 7 on the real engine: a 2P2D cluster, two router replicas sharing a real Redis, and faults.
 
 Order matters (module-scoped cluster): stickiness first, then replica/Redis faults, a frozen decode, a decode
-killed between turns and restarted, prefill down, and a decode killed mid-stream last.
+killed between turns and restarted, prefill down, a decode killed mid-stream, and last the surviving decode
+shut down mid-stream (no decode is left after it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,19 +323,24 @@ def test_prefill_down_other_prefill_serves(
             _resumes(b, off22, cid, h, t)  # the surviving prefill pulls decode's KV
 
 
-def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
-    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
-) -> None:
-    b = replicas[1]
-    cid = new_id("midstream")
-    h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(590, 1)[0]}]
-    # A first turn places the conversation, so the decode to kill is known from the router's record before
-    # the stream starts. (Asking the engines which one is generating raced with the stream: the tiny model
-    # streams ~3,000 tokens a second, and on 2 busy cores the whole answer could be done before the check.)
-    h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid, max_tokens=6).text})
-    engine = _engine(cluster22, _decode_of(b, cid))
+def _placed(router: RouterProc, cluster: Cluster, prefix: str, seed: int) -> tuple[str, list[Any], Engine]:
+    """A conversation with one turn behind it, and the decode engine the router placed it on.
+
+    The decode to fault is known from the router's record before the stream starts. (Asking the engines which
+    one is generating raced with the stream: the tiny model streams ~3,000 tokens a second, and on 2 busy
+    cores the whole answer could be done before the check.)"""
+    cid = new_id(prefix)
+    h: list[dict[str, object]] = [{"role": "user", "content": conversation_script(seed, 1)[0]}]
+    h.append({"role": "assistant", "content": chat(router.url, h, conversation_id=cid, max_tokens=6).text})
+    engine = _engine(cluster, _decode_of(router, cid))
     assert engine.pid
     h.append({"role": "user", "content": "tool result: a long report follows"})
+    return cid, h, engine
+
+
+def _stream_and_fault(router: RouterProc, cid: str, h: list[Any], fault: Callable[[], None]) -> list[str]:
+    """Stream a long answer of the conversation's next turn and call `fault` after its fifth event. The
+    turn is sticky to the conversation's decode, so that is the engine generating it."""
     body = {
         "model": "tiny",
         "messages": h,
@@ -344,27 +350,55 @@ def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
         "ignore_eos": True,
     }
     events: list[str] = []
-    killed = False
+    faulted = False
     t0 = time.monotonic()
     with httpx.stream(
-        "POST", f"{b.url}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=60
+        "POST", f"{router.url}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=60
     ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(line[6:])
-            if len(events) == 5 and not killed:
-                killed = True
-                # A crash, not a shutdown: on SIGTERM vLLM ends its streams itself (finish_reason "abort").
-                # The turn is sticky to the conversation's decode, so this is the engine generating it; had
-                # it been another, the stream would end normally and the error check below would fail.
-                os.killpg(engine.pid, signal.SIGKILL)
+            if len(events) == 5 and not faulted:
+                faulted = True
+                fault()
     assert time.monotonic() - t0 < 60
     assert events[-1] == "[DONE]"
-    assert "error" in json.loads(events[-2]), events[-2]
+    return events
+
+
+def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
+    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+) -> None:
+    b = replicas[1]
+    cid, h, engine = _placed(b, cluster22, "midstream", 590)
+    pid = engine.pid
+    assert pid
+    # A crash, not a shutdown (that is the next test). Had the turn run on the other decode, the stream
+    # would end normally and the error check would fail.
+    events = _stream_and_fault(b, cid, h, lambda: os.killpg(pid, signal.SIGKILL))
+    assert json.loads(events[-2])["error"]["message"] == "decode engine connection lost", events[-2]
     # The conversation goes on (on the surviving decode) with a correct answer, then reuses again.
     h += [{"role": "user", "content": "again"}]
     t = chat(b.url, h, conversation_id=cid)
     assert t.ids == chat(off22.url, h).ids
     assert _decode_of(b, cid) != engine.name.replace("decode", "d")
     _resumes(b, off22, cid, h, t)
+
+
+def test_decode_shut_down_mid_stream_is_an_error_not_a_cut_short_answer(
+    cluster22: Cluster, replicas: list[RouterProc]
+) -> None:
+    b = replicas[1]
+    cid, h, engine = _placed(b, cluster22, "shutdown", 595)
+    pid = engine.pid
+    assert pid
+    try:
+        # SIGTERM to the API server, as a process manager stops it: vLLM (shutdown_timeout 0) aborts its
+        # running requests and ends their streams with finish_reason "abort" as if they were finished.
+        events = _stream_and_fault(b, cid, h, lambda: os.kill(pid, signal.SIGTERM))
+    finally:
+        engine.stop()
+    assert json.loads(events[-2])["error"]["message"] == "decode engine aborted the request", events[-2]
+    assert not any('"finish_reason":"abort"' in e for e in events)
+    assert metric(b.url, "agentkv_backend_errors_total", role="decode", kind="aborted") >= 1

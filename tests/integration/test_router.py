@@ -145,6 +145,21 @@ def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: 
     assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
 
 
+def test_retention_service_refuses_calls_without_the_token(cluster: Cluster) -> None:
+    # The suite runs every engine with AGENTKV_SERVICE_TOKEN (conftest), so every reuse hit in it also shows
+    # that prefill's still-held check and the router send the token: refused, a pull would not happen.
+    for spec in (cluster.decodes[0].spec, cluster.prefills[0].spec):
+        assert spec.service_url
+        assert httpx.get(f"{spec.service_url}/agentkv/v1/info", timeout=5).status_code == 401
+        wrong = {"authorization": "Bearer not-the-token"}
+        assert (
+            httpx.delete(f"{spec.service_url}/agentkv/v1/leases/x", headers=wrong, timeout=5).status_code
+            == 401
+        )
+        assert httpx.get(f"{spec.service_url}/metrics", timeout=5).status_code == 200  # scrapes need none
+        assert service_info(spec.service_url)["engine_id"]
+
+
 def test_final_turn_reuses_then_frees_decode_blocks_at_once(
     cluster: Cluster, router: RouterProc, router_off: RouterProc
 ) -> None:

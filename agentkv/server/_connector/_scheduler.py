@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import sys
 import time
 import urllib.request
 from typing import TYPE_CHECKING, Any, Literal
 
-from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY
+from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
 from agentkv._offer import cut_offer
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
@@ -102,6 +103,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 capacity_blocks=self.agentkv.retention_capacity(int(kv_cache_config.num_blocks)),
             )
         self.service: RetentionService | None = None
+        # One secret for this engine's own service and for the still-held calls it makes to decodes.
+        self._service_token = os.environ.get(SERVICE_TOKEN_ENV) or None
         if self.agentkv.service_port:
             self.service = RetentionService(
                 # `is not None`, not `or`: an empty LeaseTable is falsy (it has __len__).
@@ -111,6 +114,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 host=self.agentkv.service_host,
                 port=self.agentkv.service_port,
                 info=self._info,
+                token=self._service_token,
             )
             self.service.start()
 
@@ -207,8 +211,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         if not service:
             return True
         rid = params.get("remote_request_id")
+        url = f"{service}/agentkv/v1/retained/{rid}"
+        request = urllib.request.Request(url, headers=service_headers(self._service_token))
         try:
-            with urllib.request.urlopen(f"{service}/agentkv/v1/retained/{rid}", timeout=1.0) as r:
+            with urllib.request.urlopen(request, timeout=1.0) as r:
                 fresh = json.loads(r.read())["kv_transfer_params"]
         except (OSError, ValueError, KeyError) as exc:
             # 404: released or expired; a timeout or a refused connection: decode unreachable. No read.

@@ -7,6 +7,7 @@ Routes are in docs/protocol.md, section 2.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import threading
@@ -63,10 +64,17 @@ def render_metrics(info: dict[str, Any], retained_now: int, retained_blocks: int
 
 class RetentionService:
     def __init__(
-        self, *, table: LeaseTable, host: str, port: int, info: Callable[[], dict[str, Any]]
+        self,
+        *,
+        table: LeaseTable,
+        host: str,
+        port: int,
+        info: Callable[[], dict[str, Any]],
+        token: str | None = None,
     ) -> None:
         self.table = table
         self._info = info
+        self._expected = f"Bearer {token}".encode() if token else None
         handler = type("_Handler", (_Handler,), {"service": self})
         self._server = ThreadingHTTPServer((host, port), handler)
         self._server.daemon_threads = True
@@ -85,6 +93,13 @@ class RetentionService:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+    def authorized(self, authorization: str | None) -> bool:
+        """Without a token anyone who reaches the port may call (keep it on the private network); with one,
+        the Bearer token must match (compared in constant time)."""
+        if self._expected is None:
+            return True
+        return hmac.compare_digest((authorization or "").encode(), self._expected)
 
     # Routing lives here, not in the handler, so it can be tested without sockets.
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -119,6 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, method: str) -> None:
         if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
+            # Counters only, nothing a caller could act on: Prometheus scrapes it without the token.
             table = self.service.table
             text = render_metrics(self.service._info(), len(table), table.blocks_in_use())
             self._reply(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
@@ -138,6 +154,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(400, {"error": "body must be a JSON object"})
                 return
             body = parsed
+        # After the body is read: what is left unread of a request would be parsed as the next one on this
+        # keep-alive connection.
+        if not self.service.authorized(self.headers.get("authorization")):
+            # Lease calls free or pin decode memory and lookups name NIXL hosts and block ids.
+            self._send(401, {"error": "unauthorized"})
+            return
         try:
             status, payload = self.service.handle(method, self.path, body)
         except Exception:  # never let a bug take the engine's thread down with it

@@ -89,7 +89,8 @@ class _Router:
             timeout=httpx.Timeout(settings.timeouts.prefill_s, connect=settings.timeouts.connect_s),
         )
         self.metrics = RouterMetrics()
-        self.leases = LeaseClient(client=self.client, timeout_s=settings.timeouts.control_s)
+        token = settings.service_token.get_secret_value() if settings.service_token else None
+        self.leases = LeaseClient(client=self.client, timeout_s=settings.timeouts.control_s, token=token)
         if store is None:
             store = _make_store(settings)
         self.book = TurnBook(

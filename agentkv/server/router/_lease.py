@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import httpx
 
+from agentkv._constants import service_headers
+
 from ._backend import BackendState, Registration, block_size_of
 
 __all__ = ["LeaseClient", "Retained"]
+
+logger = logging.getLogger("agentkv.router")
 
 Retained = dict[str, Any]  # the service's answer: request_id, kv_transfer_params, expires_in_s, num_tokens
 
@@ -18,14 +23,19 @@ class LeaseClient:
     """Talks to `control_url` of each decode. Every failure maps to None/False: leases are an
     optimisation, so a missing or broken service never fails a client's turn."""
 
-    def __init__(self, *, client: httpx.AsyncClient, timeout_s: float, retries: int = 3) -> None:
+    def __init__(
+        self, *, client: httpx.AsyncClient, timeout_s: float, retries: int = 3, token: str | None = None
+    ) -> None:
         self._client = client
         self._timeout = httpx.Timeout(timeout_s)
         self._retries = retries
+        self._headers = service_headers(token)
 
     async def _call(self, method: str, url: str, json: Any = None) -> httpx.Response | None:
         try:
-            return await self._client.request(method, url, json=json, timeout=self._timeout)
+            return await self._client.request(
+                method, url, json=json, headers=self._headers, timeout=self._timeout
+            )
         except httpx.HTTPError:
             return None
 
@@ -33,6 +43,12 @@ class LeaseClient:
         """Learn whether decode runs our service; remember its engine registration and lease length."""
         url = decode.backend.control_url
         resp = await self._call("GET", f"{url}/agentkv/v1/info") if url else None
+        if resp is not None and resp.status_code == 401 and decode.retention is not False:
+            # Treated as a decode without our service (no lease calls, no pulls in exact mode): safe, but
+            # every turn recomputes, so say why (once, not every health round).
+            logger.warning(
+                "%s's retention service refused the router: set AGENTKV_SERVICE_TOKEN", decode.name
+            )
         info = _json(resp) if resp is not None and resp.status_code == 200 else None
         decode.retention = info is not None
         if info is not None:

@@ -29,7 +29,7 @@ from ._params import KV_KEY, decode_body, decode_local_body, prefill_body, reusa
 from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
-from ._sse import TurnOutput
+from ._sse import ABORTED, TurnOutput
 from ._store import ConversationRecord, StoreUnavailableError
 from ._turn import TurnBook
 
@@ -272,6 +272,11 @@ class TurnRunner:
                 raise client_error(502, "decode engine returned a malformed response") from None
         output.add_response(obj)
         output.kv_params = params
+        if output.finish_reason == ABORTED:
+            # Decode dropped the request (shutting down): a cut-short answer is an error, never an answer.
+            self._book.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
+            await self._book.failed(turn, record)
+            raise client_error(502, "decode engine aborted the request", code="upstream_error")
         # What decode retained is needed for the lease header; storing it waits until the client has the
         # answer (the lock, moved into `stack`, keeps the next turn of this conversation out until then).
         new = await self._book.assess(turn, record, decode, output)

@@ -81,10 +81,16 @@ class Relay:
                 # Events that arrived in one read leave in one write: one send per read, not per event.
                 if events := b"".join(splitter.feed(data)):
                     yield events
+                if splitter.aborted:
+                    break
             if events := b"".join(splitter.flush()):
                 yield events
             self._ok = splitter.done
-            failure = None if self._ok else "decode stream ended early"
+            if splitter.aborted:
+                failure = "decode engine aborted the request"
+                self._book.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
+            elif not self._ok:
+                failure = "decode stream ended early"
         except TimeoutError:
             failure = "decode engine stopped sending (idle timeout)"
             self._book.metrics.backend_errors.labels(role="decode", kind="timeout").inc()

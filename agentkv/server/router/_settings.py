@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from agentkv._constants import (
@@ -98,6 +98,9 @@ class RouterSettings(BaseSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(default=5.0, ge=0)
     store_url: str | None = None
+    # Decode's retention-service secret (env AGENTKV_SERVICE_TOKEN, the name the engines read): sent on every
+    # lease call. Not a CLI flag, so it never shows in `ps`.
+    service_token: SecretStr | None = None
     log_level: str = "info"
 
     @field_validator("prefill", "decode", "decode_control", "api_keys", mode="before")

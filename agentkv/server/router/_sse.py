@@ -9,9 +9,10 @@ from typing import Any
 
 from ._params import strip_kv_json
 
-__all__ = ["DONE", "EventSplitter", "TurnOutput", "error_event"]
+__all__ = ["ABORTED", "DONE", "EventSplitter", "TurnOutput", "error_event"]
 
 DONE = b"data: [DONE]\n\n"
+ABORTED = "abort"  # vLLM's finish_reason for a request it dropped before the end
 
 
 def error_event(body: dict[str, Any]) -> bytes:
@@ -114,6 +115,9 @@ class EventSplitter:
         self._buf = b""
         self._output = output
         self.done = False
+        # vLLM ends its streams with finish_reason "abort" when it shuts down (SIGTERM) or drops a request:
+        # the answer is cut short, and passed on as finished an agent would act on half a tool call.
+        self.aborted = False
 
     def feed(self, data: bytes) -> Iterator[bytes]:
         self._buf += data.replace(b"\r\n", b"\n")
@@ -130,6 +134,8 @@ class EventSplitter:
         self._buf = b""
 
     def _event(self, event: bytes) -> bytes:
+        if self.aborted:
+            return b""  # nothing after an abort reaches the client; the relay ends with an error event
         if not event.startswith(b"data:") or b"\n" in event[:-2]:
             # Comments and multi-line events carry no chunk we need; pass them through untouched.
             return event
@@ -147,4 +153,7 @@ class EventSplitter:
             except ValueError:
                 return event
         self._output.add_chunk(obj)
+        if self._output.finish_reason == ABORTED:
+            self.aborted = True
+            return b""
         return event

@@ -197,3 +197,29 @@ def test_blocks_a_finished_request_holds_are_counted_per_group_or_flat() -> None
     assert _count_blocks(([1, 2], [7, 8, 9])) == 5  # groups share one pool: every block counts
     assert _count_blocks([4, 5]) == 2  # older vLLM: a flat list
     assert _count_blocks(()) == 0 and _count_blocks(None) == 0
+
+
+def test_a_token_guards_every_lease_route_but_not_metrics() -> None:
+    import httpx
+
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
+    svc = RetentionService(table=t, host="127.0.0.1", port=0, info=lambda: {"role": "decode"}, token="s3cret")
+    svc.start()
+    base = f"http://127.0.0.1:{svc.port}"
+    good = {"authorization": "Bearer s3cret"}
+    try:
+        assert httpx.get(f"{base}/metrics", timeout=5).status_code == 200
+        for method, path in [
+            ("GET", "/agentkv/v1/info"),
+            ("GET", "/agentkv/v1/retained/r1"),
+            ("POST", "/agentkv/v1/leases/r1/renew"),
+            ("DELETE", "/agentkv/v1/leases/r1"),
+        ]:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                r = httpx.request(method, base + path, headers=headers, timeout=5)
+                assert (r.status_code, r.json()) == (401, {"error": "unauthorized"}), (method, path, headers)
+        assert httpx.get(f"{base}/agentkv/v1/info", headers=good, timeout=5).status_code == 200
+        # With the token, routes answer as they do without one: an unknown lease is a 404, not a 401.
+        assert httpx.delete(f"{base}/agentkv/v1/leases/r1", headers=good, timeout=5).status_code == 404
+    finally:
+        svc.stop()

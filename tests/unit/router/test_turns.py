@@ -396,6 +396,42 @@ async def test_decode_dying_mid_stream_ends_with_error_event_and_done(
     assert lookup.status_code == 404  # an aborted turn retains nothing
 
 
+async def test_a_stream_decode_aborted_ends_with_an_error_not_a_finished_answer(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        before = await store_of(client).get("-/c1")
+        # vLLM on SIGTERM: the stream stops early with finish_reason "abort", then [DONE].
+        engines.reply = lambda body: {"content": "half of", "finish_reason": "abort"}
+        r = await chat(client, next_messages(USER1, first), stream=True)
+        data = sse_data(r.text)
+        after = await store_of(client).get("-/c1")
+        metrics = (await client.get("/metrics")).text
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["error"]["message"] == "decode engine aborted the request"
+    assert not any('"abort"' in d for d in data)  # the abort chunk itself never reaches the client
+    assert len(data) == 2 + 2  # the two words, the error, [DONE]
+    # The pull consumed the old blocks and the cut-short answer is not remembered as the conversation's.
+    assert after is not None and after.retained is None and after.prefix == before.prefix
+    assert 'agentkv_backend_errors_total{kind="aborted",role="decode"} 1.0' in metrics
+
+
+async def test_a_whole_answer_decode_aborted_is_a_502(engines: FakeEngines, make_client) -> None:
+    engines.reply = lambda body: {"content": "half of", "finish_reason": "abort"}
+    async with make_client() as client:
+        r = await chat(client, USER1)
+        lookup = await client.get("/v1/conversations/c1")
+    assert r.status_code == 502
+    assert r.json()["error"] == {
+        "message": "decode engine aborted the request",
+        "type": "bad_gateway",
+        "param": None,
+        "code": "upstream_error",
+    }
+    assert lookup.status_code == 404
+
+
 async def test_prefill_down_fails_over_to_other_prefill(engines: FakeEngines, make_client) -> None:
     engines.down.add("p0.test")
     async with make_client(health_interval_s=5) as client:
@@ -558,3 +594,41 @@ async def test_unreachable_store_serves_the_turn_without_reuse(engines: FakeEngi
         assert r.headers["x-agentkv-reuse"] == "miss"
         lookup = await client.get("/v1/conversations/c1")
         assert lookup.status_code == 503 and lookup.json()["error"]["message"]
+
+
+async def test_service_token_goes_to_every_lease_call_and_nowhere_else(
+    engines: FakeEngines, make_client, monkeypatch
+) -> None:
+    monkeypatch.setenv("AGENTKV_SERVICE_TOKEN", "s3cret")  # the name the engines read it from
+    engines.reply = lambda body: {"content": "a b"}
+    async with make_client() as client:
+        first = (await chat(client, USER1, stream=True)).text  # a stream: the router looks the lease up
+        assert "[DONE]" in first
+        await client.post("/v1/conversations/c1/heartbeat")
+        await client.delete("/v1/conversations/c1")
+    control = [(h, p) for host, _m, p, _b, h in engines.seen if ":9200" in str(h.get("host", ""))]
+    assert {p.split("/")[3] for _h, p in control} >= {"info", "retained", "leases"}
+    assert all(h.get("authorization") == "Bearer s3cret" for h, _p in control)
+    hops = [h for host, _m, p, _b, h in engines.seen if p.startswith("/v1/")]
+    assert hops and all("authorization" not in h for h in hops)
+
+
+async def test_a_refused_token_makes_decode_look_stock_and_says_so_once(
+    engines: FakeEngines, make_client, caplog
+) -> None:
+    real = engines._control
+
+    def refuse(host: str, method: str, path: str, body: Any) -> httpx.Response:
+        return (
+            httpx.Response(401, json={"error": "unauthorized"})
+            if host == "d0.test"
+            else real(host, method, path, body)
+        )
+
+    engines._control = refuse  # type: ignore[method-assign]
+    async with make_client() as client:
+        router = client.app.state.router  # type: ignore[attr-defined]
+        d0 = router.decode.get("d0")
+        for _ in range(3):
+            assert await router.leases.probe(d0) is False
+    assert sum("set AGENTKV_SERVICE_TOKEN" in r.getMessage() for r in caplog.records) == 1
