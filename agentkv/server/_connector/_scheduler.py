@@ -9,16 +9,14 @@ engine does not spin while it merely holds blocks.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
 import sys
 import time
-import urllib.request
 from typing import TYPE_CHECKING, Any, Literal
 
-from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
+from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._offer import cut_offer
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
@@ -28,6 +26,7 @@ from agentkv.server._connector._hashing import (
     tail_fingerprint,
     verified_tokens,
 )
+from agentkv.server._connector._held import HeldCheck
 from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import COUNTERS, RetentionService
@@ -105,6 +104,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self.service: RetentionService | None = None
         # One secret for this engine's own service and for the still-held calls it makes to decodes.
         self._service_token = os.environ.get(SERVICE_TOKEN_ENV) or None
+        self._still_held = HeldCheck(token=self._service_token)
         if self.agentkv.service_port:
             self.service = RetentionService(
                 # `is not None`, not `or`: an empty LeaseTable is falsy (it has __len__).
@@ -199,29 +199,6 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self.cost.last_estimate,
             refused or "-",
         )
-
-    def _still_held(self, params: dict[str, Any]) -> bool:
-        """Ask decode whether the blocks are still leased, and refresh the deadline prefill will check.
-
-        A lease can be released or expire after the router fetched these params; reading freed (possibly
-        reused) blocks would silently compute with wrong KV. Decode's vLLM never checks a read, so prefill
-        asks first. Params without a service (stock decode) keep vLLM's own expiry check.
-        """
-        service = params.get(SERVICE_KEY)
-        if not service:
-            return True
-        rid = params.get("remote_request_id")
-        url = f"{service}/agentkv/v1/retained/{rid}"
-        request = urllib.request.Request(url, headers=service_headers(self._service_token))
-        try:
-            with urllib.request.urlopen(request, timeout=1.0) as r:
-                fresh = json.loads(r.read())["kv_transfer_params"]
-        except (OSError, ValueError, KeyError) as exc:
-            # 404: released or expired; a timeout or a refused connection: decode unreachable. No read.
-            logger.info("agentkv still-held check for %s failed: %r", rid, exc)
-            return False
-        params["remote_blocks_expiry_time"] = fresh.get("remote_blocks_expiry_time")
-        return True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int

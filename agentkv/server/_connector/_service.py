@@ -36,7 +36,7 @@ COUNTERS = {
     "tokens_refused": "offered tokens not pulled for any reason",
     "refused_mismatch": "offers trimmed by the token-exact prefix check",
     "refused_unverified": "offers refused for lack of fingerprints (agentkv_require_fingerprints)",
-    "refused_released": "offers whose lease was released or expired before the read",
+    "refused_released": "offers whose lease was released or expired before the read (or decode was silent)",
     "retained": "finished requests whose blocks decode retained",
     "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
 }
