@@ -405,8 +405,8 @@ def test_decode_shut_down_mid_stream_is_an_error_not_a_cut_short_answer(
         # SIGTERM to the API server, as a process manager stops it. vLLM (shutdown_timeout 0) aborts its
         # running requests: either the stream gets finish_reason "abort" and [DONE], as if it were finished
         # (seen in one run here), or the engine core is gone first and the stream just stops (another run),
-        # which the router's idle timeout (60 s) ends. Either way the client must get an error, never a
-        # cut-short answer that looks finished.
+        # which the router's idle timeout (60 s) or the server's exit ends. Either way the client must get an
+        # error, never a cut-short answer that looks finished.
         events = _stream_and_fault(b, cid, h, lambda: os.kill(pid, signal.SIGTERM), within_s=110)
     finally:
         engine.stop()
@@ -414,6 +414,8 @@ def test_decode_shut_down_mid_stream_is_an_error_not_a_cut_short_answer(
     aborted = metric(b.url, "agentkv_backend_errors_total", role="decode", kind="aborted") - aborted0
     if aborted:
         assert error == "decode engine aborted the request", error
-    else:
-        assert error == "decode engine stopped sending (idle timeout)", error
+    else:  # the stream stopped, or the server closed it on its way out
+        assert error in ("decode engine stopped sending (idle timeout)", "decode engine connection lost"), (
+            error
+        )
     assert not any('"finish_reason":"' in e for e in events[:-2]), "a cut-short answer looked finished"
