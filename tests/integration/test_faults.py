@@ -95,7 +95,7 @@ def cluster22(model_dir: Path) -> Iterator[Cluster]:
         # Four engines on 2 cores: measured pulls (tens of ms of CPU starvation each) often lose to
         # recomputing a few hundred tiny-model tokens, and prefill's cost model rightly declines them. These
         # tests are about routing and faults, so every verified offer is pulled; the cost model is covered by
-        # its unit tests and stays on in the 1P1D suite.
+        # its unit tests (and is off in the 1P1D suite for the same reason).
         cost_model=False,
         log_dir=LOG_DIR / "2p2d",
     )
