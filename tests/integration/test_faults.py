@@ -341,12 +341,10 @@ def _placed(router: RouterProc, cluster: Cluster, prefix: str, seed: int) -> tup
     return cid, h, engine
 
 
-def _stream_and_fault(
-    router: RouterProc, cid: str, h: list[Any], fault: Callable[[], None], *, within_s: float = 60
-) -> list[str]:
+def _stream_and_fault(router: RouterProc, cid: str, h: list[Any], fault: Callable[[], None]) -> list[str]:
     """Stream a long answer of the conversation's next turn and call `fault` after its fifth event. The
     turn is sticky to the conversation's decode, so that is the engine generating it. The stream must end,
-    with [DONE], within `within_s`."""
+    with [DONE], within 60 s."""
     body = {
         "model": "tiny",
         "messages": h,
@@ -363,7 +361,7 @@ def _stream_and_fault(
         f"{router.url}/v1/chat/completions",
         json=body,
         headers={"x-session-id": cid},
-        timeout=within_s,
+        timeout=60,
     ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
@@ -372,7 +370,7 @@ def _stream_and_fault(
             if len(events) == 5 and not faulted:
                 faulted = True
                 fault()
-    assert time.monotonic() - t0 < within_s
+    assert time.monotonic() - t0 < 60
     assert events[-1] == "[DONE]"
     return events
 

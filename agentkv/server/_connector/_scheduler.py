@@ -103,8 +103,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             )
         self.service: RetentionService | None = None
         # One secret for this engine's own service and for the still-held calls it makes to decodes.
-        self._service_token = os.environ.get(SERVICE_TOKEN_ENV) or None
-        self._still_held = HeldCheck(token=self._service_token)
+        token = os.environ.get(SERVICE_TOKEN_ENV) or None
+        self._still_held = HeldCheck(token=token)
         if self.agentkv.service_port:
             self.service = RetentionService(
                 # `is not None`, not `or`: an empty LeaseTable is falsy (it has __len__).
@@ -114,7 +114,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 host=self.agentkv.service_host,
                 port=self.agentkv.service_port,
                 info=self._info,
-                token=self._service_token,
+                token=token,
             )
             self.service.start()
 
