@@ -17,6 +17,8 @@ H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none
 H_PATH = "x-agentkv-path"  # decode-local | pull | recompute | single
 H_LEASE_EXPIRES_IN = "x-agentkv-lease-expires-in"  # seconds, float
 H_PREFILL_MS = "x-agentkv-prefill-ms"
+# Milliseconds of the render (chat template + tokenizer on prefill's API server) the token path runs once.
+H_RENDER_MS = "x-agentkv-render-ms"
 H_CONVERSATION_ID = "x-agentkv-conversation-id"
 H_FINAL_TURN = "x-agentkv-final-turn"
 

@@ -8,6 +8,7 @@ logs to a file, and ``wait_healthy`` that fails fast with the log tail when the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -72,6 +73,8 @@ class EngineSpec:
     block_size: int | None = None
     # Lets clients use tools (tool_choice="required" too); "hermes" parses the tiny model's <tool_call>.
     tool_call_parser: str | None = None
+    # vLLM's render and tokens-in routes (`--enable-scale-out`); None: on wherever the installed vLLM has it.
+    scale_out: bool | None = None
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -156,6 +159,9 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
     # usage.prompt_tokens_details.cached_tokens (local + external KV): how the router learns how many tokens a
     # turn really reused instead of estimating it from what decode offered (P may trim or decline a pull).
     argv.append("--enable-prompt-tokens-details")
+    # The router's token path: vLLM's render and tokens-in routes (always on before the flag existed).
+    if spec.scale_out if spec.scale_out is not None else _has_scale_out_flag():
+        argv.append("--enable-scale-out")
     argv += _graph_args(spec)
     block_size = spec.block_size or (64 if spec.device == "gpu" else None)  # GPU: fewer, larger descriptors
     if block_size:
@@ -192,6 +198,20 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env.update(spec.env)
     return argv, env
+
+
+@functools.cache
+def _has_scale_out_flag() -> bool:
+    """Whether the installed vLLM has `--enable-scale-out` (read from its source, never by importing it)."""
+    spec = importlib.util.find_spec("vllm")
+    locations = getattr(spec, "submodule_search_locations", None)
+    if not locations:
+        return False
+    args = Path(next(iter(locations))) / "entrypoints" / "launchers" / "cli_args.py"
+    try:
+        return "enable_scale_out" in args.read_text()
+    except OSError:
+        return False
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -65,6 +65,10 @@ class BackendState:
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.
     block_size: int | None = None
+    # Whether this prefill serves vLLM's render and tokens-in routes; None until a turn tried them.
+    renders: bool | None = None
+    # Whether this decode takes forwarded prompt token ids (vLLM >= 0.32); None until learned.
+    takes_ids: bool | None = None
 
     @property
     def name(self) -> str:

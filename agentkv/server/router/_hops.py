@@ -54,6 +54,18 @@ class Hops:
     ) -> dict[str, Any]:
         """A non-streaming request answered by one JSON object; any failure becomes an APIStatusError
         except connect failures, which propagate for failover."""
+        data = await self.post(state, path, body, request_id, total_s=total_s)
+        if not isinstance(data, dict):
+            self._metrics.backend_errors.labels(role=state.backend.role, kind="protocol").inc()
+            raise client_error(
+                502, f"{state.backend.role} engine returned a malformed response", code="upstream_error"
+            )
+        return data
+
+    async def post(
+        self, state: BackendState, path: str, body: dict[str, Any], request_id: str, *, total_s: float
+    ) -> Any:
+        """`post_json` for any JSON answer (None when it is not JSON)."""
         role = state.backend.role
         state.outstanding += 1
         try:
@@ -70,13 +82,9 @@ class Hops:
             state.outstanding -= 1
         self.check_status(role, resp.status_code, resp.content)
         try:
-            data = resp.json()
+            return resp.json()
         except ValueError:
-            data = None
-        if not isinstance(data, dict):
-            self._metrics.backend_errors.labels(role=role, kind="protocol").inc()
-            raise client_error(502, f"{role} engine returned a malformed response", code="upstream_error")
-        return data
+            return None
 
     @contextlib.contextmanager
     def _mapped_errors(self, role: str) -> Iterator[None]:

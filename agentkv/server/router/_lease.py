@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from typing import Any
 
@@ -69,6 +70,17 @@ class LeaseClient:
                 decode.block_size = block_size_of(resp.text)
         return decode.block_size
 
+    async def learn_takes_ids(self, decode: BackendState) -> bool:
+        """Whether decode renders from forwarded `kv_transfer_params["prompt_token_ids"]` instead of the
+        messages (vLLM >= 0.32), from its `/version`; older ones would only carry the ids along unused."""
+        if decode.takes_ids is None:
+            resp = await self._call("GET", f"{decode.backend.url}/version")
+            data = _json(resp) if resp is not None and resp.status_code == 200 else None
+            release = _release(data.get("version")) if data is not None else None
+            if release is not None:
+                decode.takes_ids = release >= (0, 32)
+        return bool(decode.takes_ids)
+
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
         """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the
         stream's last byte by a scheduler step or two."""
@@ -91,6 +103,17 @@ class LeaseClient:
     async def release(self, decode: BackendState, request_id: str) -> bool:
         resp = await self._call("DELETE", f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}")
         return resp is not None and resp.status_code == 200
+
+
+def _release(version: Any) -> tuple[int, int] | None:
+    """(major, minor) of a vLLM version string such as "0.32.0" or "0.32.0+cpu"."""
+    if not isinstance(version, str):
+        return None
+    parts = version.split(".")
+    if len(parts) < 2 or not parts[0].isdigit():
+        return None
+    minor = "".join(itertools.takewhile(str.isdigit, parts[1]))
+    return (int(parts[0]), int(minor)) if minor else None
 
 
 def _json(resp: httpx.Response) -> dict[str, Any] | None:

@@ -50,6 +50,12 @@ class RouterMetrics:
         self.prefill_seconds = Histogram(
             "agentkv_prefill_seconds", "Prefill hop duration", buckets=_BUCKETS, registry=r
         )
+        self.render_seconds = Histogram(
+            "agentkv_render_seconds",
+            "Render of a turn on prefill's API server (token path: chat template + tokenizer, once per turn)",
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.decode_seconds = Histogram(
             "agentkv_decode_seconds", "Decode hop duration (to the last byte)", buckets=_BUCKETS, registry=r
         )

@@ -9,6 +9,7 @@ from agentkv._constants import BODY_ID_FIELDS
 
 __all__ = [
     "KV_KEY",
+    "PROMPT_IDS_KEY",
     "decode_body",
     "decode_local_body",
     "prefill_body",
@@ -16,9 +17,11 @@ __all__ = [
     "reusable_tokens",
     "strip_client_fields",
     "strip_kv_json",
+    "with_prompt_ids",
 ]
 
 KV_KEY = "kv_transfer_params"
+PROMPT_IDS_KEY = "prompt_token_ids"
 _KV_BYTES = KV_KEY.encode()
 
 # What a P/D prefill request carries without reuse: P keeps its blocks for D to read.
@@ -65,7 +68,11 @@ def prefill_body(body: dict[str, Any], retained: dict[str, Any] | None) -> dict[
 
 
 def decode_body(
-    body: dict[str, Any], prefill_kv: dict[str, Any] | None, *, cache_salt: str | None = None
+    body: dict[str, Any],
+    prefill_kv: dict[str, Any] | None,
+    *,
+    cache_salt: str | None = None,
+    prompt_ids: list[int] | None = None,
 ) -> dict[str, Any]:
     out = dict(body)
     if cache_salt is not None:
@@ -73,13 +80,21 @@ def decode_body(
         # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
         out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
-    out[KV_KEY] = dict(prefill_kv) if prefill_kv else {"agentkv_retain": True}
+    out[KV_KEY] = with_prompt_ids(dict(prefill_kv) if prefill_kv else {"agentkv_retain": True}, prompt_ids)
     return out
 
 
-def decode_local_body(body: dict[str, Any]) -> dict[str, Any]:
+def decode_local_body(body: dict[str, Any], *, prompt_ids: list[int] | None = None) -> dict[str, Any]:
     # A non-empty params dict makes a bidirectional decode retain its blocks when the request finishes.
-    return {**body, KV_KEY: {"agentkv_retain": True}}
+    return {**body, KV_KEY: with_prompt_ids({"agentkv_retain": True}, prompt_ids)}
+
+
+def with_prompt_ids(params: dict[str, Any], prompt_ids: list[int] | None) -> dict[str, Any]:
+    """Forward the prompt's ids so decode skips rendering and tokenizing (vLLM >= 0.32). Only ever ids that
+    prefill rendered for this same body: vLLM does not check them against the messages."""
+    if prompt_ids is not None:
+        params[PROMPT_IDS_KEY] = prompt_ids
+    return params
 
 
 def reusable_tokens(retained: dict[str, Any], prompt_tokens: int | None) -> int:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Literal
 
 from agentkv._constants import FINGERPRINTS_KEY
 
 from ._backend import BackendState, Registration
 from ._prefix import Prefix
+from ._tokens import TokenPrefix
 
 __all__ = [
     "CostModel",
@@ -72,12 +73,16 @@ def assess_reuse(
     margin_s: float,
     check_prefix: bool = True,
     exact: bool = False,
+    tokens: TokenPrefix | None = None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> ReuseVerdict:
     """Whether decode's retained blocks may be offered to P for this request.
 
+    With the new prompt's token ids and the held ids' fingerprint the check is on token ids (it sees tools,
+    template kwargs and anything else the chat template renders); otherwise on messages (`prefix`).
     ``check_prefix=False`` leaves the (token-exact) check to our connector on prefill; it exists to test that
     check through the whole stack and for engines whose chat template rewrites history."""
-    if not retained or prefix is None:
+    if not retained or (prefix is None and tokens is None):
         return "miss"
     if exact and FINGERPRINTS_KEY not in retained:
         # Only our connector offers prefill-computed KV alone; a stock decode's offer ends with the tokens it
@@ -88,8 +93,12 @@ def assess_reuse(
     # A decode restart (or re-registration) frees every block; its old params would make P read garbage.
     if decode.registration is not None and not decode.registration.matches(Registration.of_params(retained)):
         return "expired"
-    if check_prefix and not prefix.matches(body):
-        return "mismatch"
+    if check_prefix:
+        if tokens is not None and prompt_ids is not None:
+            if not tokens.extended_by(prompt_ids):
+                return "mismatch"
+        elif prefix is None or not prefix.matches(body):
+            return "mismatch"
     return "ok"
 
 

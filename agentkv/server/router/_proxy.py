@@ -17,6 +17,7 @@ from agentkv._constants import (
     H_LEASE_EXPIRES_IN,
     H_PATH,
     H_PREFILL_MS,
+    H_RENDER_MS,
     H_REUSE,
     H_REUSED_TOKENS,
 )
@@ -25,12 +26,21 @@ from agentkv._exceptions import APIStatusError
 from ._backend import BackendState
 from ._errors import client_error
 from ._hops import close_quietly, with_failover
-from ._params import KV_KEY, decode_body, decode_local_body, prefill_body, reusable_tokens, strip_kv_json
+from ._params import (
+    KV_KEY,
+    decode_body,
+    decode_local_body,
+    prefill_body,
+    prefill_params,
+    reusable_tokens,
+    strip_kv_json,
+)
 from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
 from ._sse import ABORTED, TurnOutput
 from ._store import ConversationRecord, StoreUnavailableError
+from ._tokens import GENERATE_PATH, generate_body, render_path, rendered_request
 from ._turn import TurnBook
 
 __all__ = ["Turn", "TurnRunner"]
@@ -61,6 +71,16 @@ class Turn:
     ttft_ms: float | None = None
     used_retained: bool = False
     decode_started: float = 0.0
+    # The token path: prefill's render of this body (a vLLM `GenerateRequest`) and which prefill made it.
+    rendered: dict[str, Any] | None = None
+    render_prefill: BackendState | None = None
+    render_ms: float | None = None
+    # Whether decode gets the prompt's ids forwarded (it renders nothing then).
+    forward_ids: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        return self.rendered["token_ids"] if self.rendered is not None else None
 
     @property
     def stream(self) -> bool:
@@ -73,6 +93,8 @@ class Turn:
             H_PATH: self.path,
             H_PREFILL_MS: f"{self.prefill_ms:.1f}",
         }
+        if self.render_ms is not None:
+            headers[H_RENDER_MS] = f"{self.render_ms:.1f}"
         if self.conversation_id:
             headers[H_CONVERSATION_ID] = self.conversation_id
         return headers
@@ -101,6 +123,7 @@ class TurnRunner:
                     await stack.aclose()
                     stack = contextlib.AsyncExitStack()
                     turn.key = None
+            await self._render(turn)
             decode, decision = await self._plan(turn, record, locked)
             try:
                 if decision.path == "decode-local":
@@ -123,6 +146,50 @@ class TurnRunner:
             return response
         finally:
             await stack.aclose()
+
+    async def _render(self, turn: Turn) -> None:
+        """The token path's one render of this turn, on a prefill that serves vLLM's render API. Engines
+        that do not (403 without `--enable-scale-out`, 404 before it existed) are remembered and served
+        text; a render the client's body fails (400) is the client's error, as the chat route's would be."""
+        path = render_path(turn.api_path)
+        if not self._s.tokens or path is None:
+            return
+        book = self._book
+        refused: list[BackendState] = []
+
+        def choose(tried: frozenset[str]) -> BackendState | None:
+            return choose_prefill((p for p in book.prefill if p.renders is not False), exclude=tried)
+
+        async def attempt(p: BackendState) -> Any:
+            try:
+                return await book.hops.post(
+                    p, path, turn.body, turn.request_id, total_s=self._s.timeouts.prefill_s
+                )
+            except APIStatusError as exc:
+                if exc.status_code in (403, 404, 405):
+                    refused.append(p)
+                raise
+
+        t0 = time.perf_counter()
+        try:
+            prefill, answer = await with_failover(
+                choose, attempt, role="prefill", mark_down=self._s.health_interval_s > 0
+            )
+        except APIStatusError as exc:
+            if exc.status_code == 503 and not refused:
+                return  # no prefill left that renders: the text path has its own choice (and its own 503)
+            if not refused:
+                raise
+            logger.warning("%s serves no render API (HTTP %d): text to it", refused[0].name, exc.status_code)
+            refused[0].renders = False
+            return
+        rendered = rendered_request(answer)
+        if rendered is None:
+            return  # several prompts or multimodal input: the text path handles those
+        prefill.renders = True
+        turn.rendered, turn.render_prefill = rendered, prefill
+        turn.render_ms = (time.perf_counter() - t0) * 1000
+        self._book.metrics.render_seconds.observe(turn.render_ms / 1000)
 
     async def _plan(
         self, turn: Turn, record: ConversationRecord | None, locked: bool
@@ -149,18 +216,17 @@ class TurnRunner:
                 margin_s=self._s.expiry_margin_s,
                 check_prefix=self._s.prefix_guard,
                 exact=self._s.exact,
+                tokens=record.tokens,
+                prompt_ids=turn.prompt_ids,
             )
         if not (self._s.reuse and locked):
             verdict = "miss"
         if turn.conversation_id is not None:
             turn.reuse = verdict if verdict != "ok" else "hit"
-        new_chars = (
-            record.prefix.new_chars(turn.body) if record and record.prefix else prompt_chars(turn.body)
-        )
         decision = choose_path(
             policy=self._s.path_policy,
             reuse_ok=verdict == "ok",
-            new_tokens=book.cost.estimate_tokens(new_chars),
+            new_tokens=self._new_tokens(turn, record),
             decode_outstanding=decode.outstanding,
             local_max_tokens=self._s.decode_local_max_tokens,
             model=book.cost,
@@ -168,12 +234,24 @@ class TurnRunner:
         )
         book.decided(turn, decision)
         turn.path = decision.path
+        if turn.rendered is not None:
+            turn.forward_ids = await book.leases.learn_takes_ids(decode)
         return decode, decision
+
+    def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
+        """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""
+        ids = turn.prompt_ids
+        if ids is not None:
+            return len(ids) - (record.tokens.held if record and record.tokens else 0)
+        if record and record.prefix:
+            return self._book.cost.estimate_tokens(record.prefix.new_chars(turn.body))
+        return self._book.cost.estimate_tokens(prompt_chars(turn.body))
 
     async def _decode_local(self, turn: Turn, decode: BackendState) -> tuple[httpx.Response, BackendState]:
         turn.reuse = "local"
         try:
-            return await self._open_decode(turn, decode_local_body(turn.body), first=decode, failover=False)
+            body = decode_local_body(turn.body, prompt_ids=turn.prompt_ids if turn.forward_ids else None)
+            return await self._open_decode(turn, body, first=decode, failover=False)
         except APIStatusError as exc:
             if exc.status_code != 503:
                 raise
@@ -186,15 +264,33 @@ class TurnRunner:
     ) -> tuple[httpx.Response, BackendState]:
         book = self._book
         retained = record.retained if record is not None and turn.path == "pull" else None
-        body = prefill_body(turn.body, retained)
+        if turn.rendered is not None:
+            # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
+            path = GENERATE_PATH
+            body = generate_body(
+                turn.rendered, kv_params=prefill_params(retained), request_id=turn.request_id
+            )
+            first = turn.render_prefill
+            pool = [p for p in book.prefill if p.renders]
+        else:
+            path, body, first, pool = (
+                turn.api_path,
+                prefill_body(turn.body, retained),
+                None,
+                list(book.prefill),
+            )
+
+        def choose(tried: frozenset[str]) -> BackendState | None:
+            if first is not None and first.name not in tried and first.healthy:
+                return first
+            return choose_prefill(pool, exclude=tried)
+
         # Set before the hop: once P has the params it may have read (and so freed) decode's blocks.
         turn.used_retained = retained is not None
         t0 = time.perf_counter()
         prefill, answer = await with_failover(
-            lambda tried: choose_prefill(book.prefill, exclude=tried),
-            lambda p: book.hops.post_json(
-                p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
-            ),
+            choose,
+            lambda p: book.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s),
             role="prefill",
             mark_down=self._s.health_interval_s > 0,
         )
@@ -214,7 +310,9 @@ class TurnRunner:
                 turn.reused_tokens = reusable_tokens(retained, turn.prompt_tokens)
         kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
-        return await self._open_decode(turn, decode_body(turn.body, kv, cache_salt=salt), first=decode)
+        ids = turn.prompt_ids if turn.forward_ids else None
+        body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids)
+        return await self._open_decode(turn, body, first=decode)
 
     async def _open_decode(
         self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True

@@ -79,9 +79,14 @@ class RouterSettings(BaseSettings):
     max_conversations: int = Field(default=100_000, gt=0)
     decode_load_cap: int = Field(default=64, gt=0)
     reuse: bool = True
-    # Router-side guard: reuse only when the new messages extend the previous turn's exactly. Our connector
-    # checks tokens on prefill as well; turning this off leaves that check alone in charge.
+    # Router-side guard: reuse only when the new prompt extends what decode holds exactly (on token ids with
+    # `tokens`, else on messages). Our connector checks tokens on prefill as well; turning this off leaves
+    # that check alone in charge.
     prefix_guard: bool = True
+    # Tokens between router and engines: each turn is rendered once by prefill's own renderer, prefill gets
+    # the ids, decode gets them forwarded, reuse is checked on them. Engines without vLLM's render API
+    # (`--enable-scale-out` on 0.32+) are served text as before.
+    tokens: bool = True
     # Every answer equals a recompute's bit for bit: only KV that a prefill computed is reused. Decode's own
     # prefix cache is kept out of decode hops (a per-turn `cache_salt`, so decode loads the whole prompt from
     # prefill), and decode-local turns are off, since both would reuse KV decode computed one token at a

@@ -13,6 +13,7 @@ from typing import Any, Literal, Protocol
 from agentkv._exceptions import AgentKVError
 
 from ._prefix import Prefix
+from ._tokens import TokenPrefix
 
 __all__ = [
     "ConversationRecord",
@@ -42,6 +43,8 @@ class ConversationRecord:
     lease_state: LeaseState = "none"
     retained_tokens: int = 0
     prefix: Prefix | None = None
+    # The token ids decode holds (fingerprint), when the turn ran on the token path; checked before `prefix`.
+    tokens: TokenPrefix | None = None
     version: int = 0
 
     def lease_view(self, now: float | None = None) -> tuple[str, float]:
@@ -55,11 +58,18 @@ class ConversationRecord:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["prefix"] = self.prefix.to_json() if self.prefix else None
+        data["tokens"] = self.tokens.to_json() if self.tokens else None
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ConversationRecord:
-        return cls(**{**data, "prefix": Prefix.from_json(data.get("prefix"))})
+        return cls(
+            **{
+                **data,
+                "prefix": Prefix.from_json(data.get("prefix")),
+                "tokens": TokenPrefix.from_json(data.get("tokens")),
+            }
+        )
 
 
 EvictHook = Callable[[str, ConversationRecord], None]

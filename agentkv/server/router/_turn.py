@@ -22,6 +22,7 @@ from ._prefix import Prefix, prompt_chars
 from ._settings import RouterSettings
 from ._sse import TurnOutput
 from ._store import ConversationRecord, ConversationStore, LeaseState, StoreUnavailableError
+from ._tokens import TokenPrefix
 
 if TYPE_CHECKING:
     from ._proxy import Turn
@@ -95,6 +96,8 @@ class TurnBook:
                 retained, expires_at, state, tokens = None, None, "none", 0
             else:
                 retained, tokens = cut_offer(retained, prompt, block_size), prompt
+        ids = turn.prompt_ids
+        held_ids = TokenPrefix.of(ids, offered=tokens, exact=self.settings.exact) if ids is not None else None
         return ConversationRecord(
             decode=decode.name,
             request_id=turn.request_id,
@@ -102,7 +105,12 @@ class TurnBook:
             expires_at=expires_at,
             lease_state=state,
             retained_tokens=tokens,
-            prefix=Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self.settings.exact),
+            # On the token path the ids are the check; hashing every message again would cost a pass over
+            # the whole conversation per turn for nothing.
+            prefix=None
+            if held_ids is not None
+            else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self.settings.exact),
+            tokens=held_ids,
         )
 
     def keeps(self, turn: Turn) -> bool:
@@ -189,7 +197,8 @@ class TurnBook:
         return params, expires_at, state, tokens if isinstance(tokens, int) else 0
 
     def _learn_costs(self, turn: Turn) -> None:
-        self.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
+        if turn.rendered is None:  # the token path counts tokens; only text needs chars per token
+            self.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
         # Only streamed turns show the first token; a whole JSON answer mixes in generation time.
         if turn.ttft_ms is None or turn.prompt_tokens is None:
             return

@@ -246,6 +246,8 @@ def settings(**overrides: Any) -> RouterSettings:
         "decode": D_URLS,
         "health_interval_s": 0,
         "path_policy": "always-pd",
+        # The text path (engines without vLLM's render API); tests of the token path turn it on.
+        "tokens": False,
     }
     return RouterSettings(**{**values, **overrides})
 
