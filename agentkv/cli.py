@@ -247,6 +247,10 @@ def router(
     prefix_guard: Annotated[
         bool | None, typer.Option(help="Router-side history check (the connector checks tokens too).")
     ] = None,
+    tokens: Annotated[
+        bool | None,
+        typer.Option(help="Render each turn once and send engines token ids (off: text to both hops)."),
+    ] = None,
     store_url: Annotated[str | None, typer.Option(help="redis://... for a shared store.")] = None,
     api_keys_file: Annotated[Path | None, typer.Option(help="File with one API key per line.")] = None,
     session_header: Annotated[str | None, typer.Option(help="Conversation id header.")] = None,
@@ -266,6 +270,7 @@ def router(
         "api_keys_file": api_keys_file,
         "session_header": session_header,
         "prefix_guard": prefix_guard,
+        "tokens": tokens,
     }
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not config:

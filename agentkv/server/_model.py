@@ -41,8 +41,10 @@ def tiny_serving() -> dict[str, Any]:
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
 # ChatML with tool calls and tool results, close to Qwen3's template but small. Tool schemas are rendered
-# into the system turn so that adding/removing tools changes the prompt (as with real models).
+# into the system turn so that adding/removing tools changes the prompt (as with real models), and so is the
+# `today` template kwarg (as Llama 3's `date_string`): both change the top of the prompt, not its end.
 CHAT_TEMPLATE = (
+    "{%- if today is defined %}<|im_start|>system\nToday is {{ today }}.<|im_end|>\n{%- endif %}"
     "{%- if tools %}<|im_start|>system\n"
     "{%- if messages and messages[0].role == 'system' %}{{ messages[0].content }}\n{% endif %}"
     "# Tools\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n"

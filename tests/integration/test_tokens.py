@@ -1,0 +1,138 @@
+"""Tokens between the router and the engines, on the real CPU cluster (1P1D, our connector).
+
+The router renders each turn once (prefill's `/v1/chat/completions/render`), sends prefill token ids
+(`/inference/v1/generate`) and forwards them to decode in `kv_transfer_params.prompt_token_ids`, and checks
+reuse on token ids, which see what the chat template renders beyond the messages (tools, template kwargs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from agentkv.server._cluster import Cluster
+
+from ._helpers import (
+    MODEL,
+    RouterProc,
+    assert_agrees_up_to_rounding,
+    chat,
+    conversation_script,
+    metric,
+    new_id,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the files.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
+    r = httpx.post(
+        f"{prefill_url}/v1/chat/completions/render",
+        json={"model": MODEL, "messages": messages, **extra},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    ids = r.json()["token_ids"]
+    assert isinstance(ids, list) and ids
+    return ids
+
+
+def _generate_requests(prefill_url: str) -> float:
+    return metric(f"{prefill_url}/metrics", "http_requests_total", handler="/inference/v1/generate")
+
+
+def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
+    cluster: Cluster, router: RouterProc, router_off: RouterProc
+) -> None:
+    p_url = cluster.prefills[0].spec.url
+    script = conversation_script(31, 3)
+    cid = new_id("tokens")
+    before = _generate_requests(p_url)
+    history: list[dict[str, Any]] = []
+    for i, msg in enumerate(script):
+        history.append({"role": "user", "content": msg})
+        on = chat(router.url, history, conversation_id=cid)
+        off = chat(router_off.url, history, conversation_id=new_id("tokens-off"))
+        assert float(on.headers["x-agentkv-render-ms"]) > 0
+        assert on.headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), on.headers
+        assert_agrees_up_to_rounding(on, off)
+        history.append({"role": "assistant", "content": on.text})
+    # Every prefill hop of both routers went to the tokens-in route (the render is the turn's only one).
+    assert _generate_requests(p_url) - before == 2 * len(script)
+
+
+def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:
+    """Decode answers the ids it is given, not its messages: so it did not render and tokenize them.
+    (Only the router forwards ids, and only those prefill rendered for the same body.)"""
+    p_url, d_url = cluster.prefills[0].spec.url, cluster.decodes[0].spec.url
+    real = [{"role": "user", "content": conversation_script(32, 1)[0]}]
+    decoy = [{"role": "user", "content": "a different question altogether"}]
+    ids = _render_ids(p_url, real)
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    by_text = httpx.post(f"{d_url}/v1/chat/completions", json={**body, "messages": real}, timeout=120)
+    by_ids = httpx.post(
+        f"{d_url}/v1/chat/completions",
+        json={**body, "messages": decoy, "kv_transfer_params": {"prompt_token_ids": ids}},
+        timeout=120,
+    )
+    assert by_text.status_code == by_ids.status_code == 200, (by_text.text, by_ids.text)
+    a, b = by_text.json(), by_ids.json()
+    assert b["usage"]["prompt_tokens"] == len(ids) == a["usage"]["prompt_tokens"]
+    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+
+
+def _two_turns(
+    url: str, second_extra: dict[str, Any], *, first_extra: dict[str, Any] | None = None
+) -> tuple[dict[str, str], Any]:
+    cid = new_id("tokens-top")
+    script = conversation_script(33, 2)
+    history: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
+    first = chat(url, history, conversation_id=cid, extra=first_extra)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    second = chat(url, history, conversation_id=cid, extra=second_extra)
+    return second.headers, (history, second)
+
+
+def test_tools_added_or_template_kwargs_changed_never_reuse_the_old_prefix(
+    router: RouterProc, router_off: RouterProc
+) -> None:
+    """Both change the top of the prompt (the messages stay an extension of the last turn's): decode's
+    blocks hold KV of other tokens, and the router's token check refuses them before prefill is asked."""
+    for extra, first_extra in (
+        ({"tools": TOOLS}, None),
+        ({"chat_template_kwargs": {"today": "Tuesday"}}, {"chat_template_kwargs": {"today": "Monday"}}),
+    ):
+        headers, (history, second) = _two_turns(router.url, extra, first_extra=first_extra)
+        assert headers["x-agentkv-reuse"] == "mismatch", (extra, headers)
+        assert headers["x-agentkv-reused-tokens"] == "0"
+        off = chat(router_off.url, history, conversation_id=new_id("tokens-off"), extra=extra)
+        assert_agrees_up_to_rounding(second, off)
+    # The same kwargs on both turns render the same top: reused.
+    same = {"chat_template_kwargs": {"today": "Monday"}}
+    headers, _ = _two_turns(router.url, same, first_extra=same)
+    assert headers["x-agentkv-reuse"] == "hit", headers
+
+
+def test_completions_take_the_token_path_and_reuse(router: RouterProc, router_off: RouterProc) -> None:
+    cid = new_id("tokens-cmpl")
+    prompt = conversation_script(34, 1)[0]
+    for i in range(3):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1}
+        on = httpx.post(f"{router.url}/v1/completions", json=body, headers={"x-session-id": cid}, timeout=120)
+        off = httpx.post(f"{router_off.url}/v1/completions", json=body, timeout=120)
+        assert on.status_code == off.status_code == 200, (on.text, off.text)
+        assert float(on.headers["x-agentkv-render-ms"]) > 0
+        assert on.headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), on.headers
+        got, ref = on.json()["choices"][0], off.json()["choices"][0]
+        assert got["text"] == ref["text"]
+        prompt += got["text"] + " tool result: " + conversation_script(35 + i, 2)[1]
