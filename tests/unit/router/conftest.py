@@ -23,9 +23,28 @@ D_URLS = ["http://d0.test:8200", "http://d1.test:8200"]
 
 
 def prompt_tokens_of(body: dict[str, Any]) -> int:
-    # The fake tokenizer: one token per 4 characters of JSON, enough for shapes and bounds.
+    # The fake tokenizer: one token per 4 characters of JSON, enough for shapes and bounds; token ids when the
+    # request carries them (tokens in, or forwarded to decode).
+    ids = body.get("token_ids") or (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+    if ids:
+        return len(ids)
     text = json.dumps(body.get("messages", body.get("prompt")))
     return max(len(text) // 4, 1)
+
+
+def render_ids(body: dict[str, Any]) -> list[int]:
+    """The fake renderer: a ChatML-like, prefix-stable id sequence. Tools and template kwargs render at the
+    top (as real templates do); each message is `1, role, content..., 2`; the generation prompt is `1, 5`,
+    which an assistant message's rendering starts with, so a turn's prompt is a prefix of the next one's."""
+    top = [3, *(ord(c) % 200 + 10 for c in json.dumps([body.get("tools"), body.get("chat_template_kwargs")]))]
+    if "messages" not in body:
+        return [ord(c) % 200 + 10 for c in str(body.get("prompt"))]
+    roles = {"system": 4, "assistant": 5, "user": 6, "tool": 7}
+    ids = top
+    for m in body["messages"]:
+        content = m.get("content") or ""
+        ids += [1, roles.get(m.get("role"), 8), *(ord(c) % 200 + 10 for c in str(content)), 2]
+    return [*ids, 1, 5]
 
 
 class FakeEngines:
@@ -50,6 +69,9 @@ class FakeEngines:
         # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
         # D's retained block lists cover its tokens in blocks of this size.
         self.block_size: int | None = 4
+        # vLLM's render and tokens-in routes (the router's token path); False: a server without them (404).
+        self.renders = False
+        self.version = "0.32.0"  # what GET /version reports
 
     def requests(self, host_prefix: str, path: str | None = None) -> list[tuple[Any, httpx.Headers]]:
         return [
@@ -78,15 +100,32 @@ class FakeEngines:
         if path == "/metrics":
             info = f'vllm:cache_config_info{{block_size="{self.block_size}",cache_dtype="auto"}} 1.0\n'
             return httpx.Response(200, text="# vllm\n" + (info if self.block_size else ""))
+        if path == "/version":
+            return httpx.Response(200, json={"version": self.version})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
         rid = request.headers["x-request-id"]
+        if path.endswith("/render") or path == "/inference/v1/generate":
+            if not self.renders:
+                return httpx.Response(404, json={"detail": "Not Found"})
+            if path.endswith("/render"):
+                return self._render(path, body)
         if host.startswith("p"):
             return self._prefill(rid, path, body)
         return self._decode(host, rid, path, body)
+
+    def _render(self, path: str, body: dict[str, Any]) -> httpx.Response:
+        rendered = {
+            "request_id": "render-x",
+            "token_ids": render_ids(body),
+            "sampling_params": {"max_tokens": body.get("max_tokens"), "temperature": body.get("temperature")},
+            "model": body.get("model"),
+            "stream": False,
+        }
+        return httpx.Response(200, json=rendered if "chat" in path else [rendered])
 
     def _prefill(self, rid: str, path: str, body: dict[str, Any]) -> httpx.Response:
         usage: dict[str, Any] = {"prompt_tokens": prompt_tokens_of(body), "completion_tokens": 1}

@@ -1,0 +1,183 @@
+"""The router's token path against fake engines: render once, tokens to prefill, ids to decode, reuse
+checked on token ids; and `TokenPrefix`, the fingerprint of what decode holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentkv.server.router._store import ConversationRecord
+from agentkv.server.router._tokens import TokenPrefix, generate_body, rendered_request
+
+from .conftest import FakeEngines, render_ids, store_of
+
+CHAT = "/v1/chat/completions"
+RENDER = "/v1/chat/completions/render"
+GENERATE = "/inference/v1/generate"
+USER1 = [{"role": "user", "content": "list the files"}]
+TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
+
+
+async def chat(client: httpx.AsyncClient, messages: list[dict[str, Any]], **body: Any) -> httpx.Response:
+    return await client.post(
+        CHAT, json={"model": "tiny", "messages": messages, **body}, headers={"x-session-id": "c1"}
+    )
+
+
+def then(first: list[dict[str, Any]], r: httpx.Response) -> list[dict[str, Any]]:
+    return [*first, r.json()["choices"][0]["message"], {"role": "tool", "content": "a.txt b.txt"}]
+
+
+async def test_a_turn_is_rendered_once_prefill_takes_ids_and_decode_gets_them(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders = True
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1, max_tokens=20)
+        r2 = await chat(client, then(USER1, r1), max_tokens=20)
+        record = await store_of(client).get("-/c1")
+    assert r1.status_code == r2.status_code == 200
+    assert float(r1.headers["x-agentkv-render-ms"]) >= 0
+    assert (r1.headers["x-agentkv-reuse"], r2.headers["x-agentkv-reuse"]) == ("miss", "hit")
+    renders = [b for b, _ in engines.requests("p", RENDER)]
+    generates = [b for b, _ in engines.requests("p", GENERATE)]
+    assert len(renders) == len(generates) == 2 and not engines.requests("p", CHAT)
+    ids2 = render_ids(renders[1])
+    assert generates[1]["token_ids"] == ids2
+    assert generates[1]["sampling_params"]["max_tokens"] == 1 and generates[1]["stream"] is False
+    assert generates[1]["kv_transfer_params"]["remote_engine_id"] == "D0-ENGINE"  # decode's retained params
+    assert generates[0]["kv_transfer_params"]["remote_block_ids"] is None
+    assert not engines.requests("d", RENDER)
+    d_bodies = engines.completions("d")
+    assert d_bodies[1]["kv_transfer_params"]["prompt_token_ids"] == ids2
+    assert d_bodies[1]["kv_transfer_params"]["remote_engine_id"] == "P-ENGINE"
+    assert d_bodies[1]["max_tokens"] == 20  # the client's body, not the prefill's
+    assert "prompt_token_ids" not in r2.text
+    assert record.tokens is not None and record.prefix is None  # the ids are the check now
+
+
+async def test_decode_before_0_32_is_not_sent_ids_it_would_ignore(engines: FakeEngines, make_client) -> None:
+    engines.renders, engines.version = True, "0.26.0"
+    async with make_client(tokens=True) as client:
+        r = await chat(client, USER1)
+    assert r.status_code == 200
+    [d_body] = engines.completions("d")
+    assert "prompt_token_ids" not in d_body["kv_transfer_params"]
+    assert engines.requests("p", GENERATE)  # prefill still takes tokens: 0.26 serves the route
+
+
+async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(
+    engines: FakeEngines, make_client
+) -> None:
+    """The messages extend the last turn's, but the tools render at the top of the prompt: decode's blocks
+    hold KV of other tokens. The message guard cannot see it; the token check can."""
+    engines.renders = True
+    for tokens, verdict in ((True, "mismatch"), (False, "hit")):
+        engines.seen.clear()
+        async with make_client(tokens=tokens) as client:
+            r1 = await chat(client, USER1)
+            r2 = await chat(client, then(USER1, r1), tools=TOOLS)
+        assert r2.headers["x-agentkv-reuse"] == verdict, tokens
+        p_bodies = [b for path in (CHAT, GENERATE) for b, _ in engines.requests("p", path)]
+        p_params = [b["kv_transfer_params"] for b in p_bodies]
+        sent_retained = any(p.get("remote_engine_id") == "D0-ENGINE" for p in p_params)
+        assert sent_retained is (verdict == "hit")
+
+
+async def test_same_tools_on_both_turns_still_reuse(engines: FakeEngines, make_client) -> None:
+    engines.renders = True
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1, tools=TOOLS)
+        r2 = await chat(client, then(USER1, r1), tools=TOOLS)
+    assert r2.headers["x-agentkv-reuse"] == "hit"
+
+
+async def test_a_repeated_request_is_not_reused_in_exact_mode(engines: FakeEngines, make_client) -> None:
+    engines.renders = True
+    async with make_client(tokens=True) as client:
+        await chat(client, USER1)
+        again = await chat(client, USER1)
+    assert again.headers["x-agentkv-reuse"] == "mismatch"
+
+
+async def test_engines_without_the_render_api_are_served_text_and_not_asked_again(
+    engines: FakeEngines, make_client
+) -> None:
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1)
+        r2 = await chat(client, then(USER1, r1))
+    assert r1.status_code == r2.status_code == 200
+    assert "x-agentkv-render-ms" not in r1.headers
+    assert r2.headers["x-agentkv-reuse"] == "hit"  # the message guard, as before
+    # One refused render per prefill that was tried, then text only.
+    assert len(engines.requests("p", RENDER)) == 2
+    assert len(engines.requests("p", CHAT)) == 2 and not engines.requests("p", GENERATE)
+
+
+async def test_a_body_the_renderer_rejects_is_the_clients_400_and_stores_nothing(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders = True
+    engines.status["p0.test"] = (400, {"error": {"message": "bad tool schema", "type": "BadRequestError"}})
+    engines.status["p1.test"] = engines.status["p0.test"]
+    async with make_client(tokens=True) as client:
+        r = await chat(client, USER1, tools=[{"type": "function"}])
+        record = await store_of(client).get("-/c1")
+    assert r.status_code == 400 and "bad tool schema" in r.text
+    assert record is None and not engines.completions("d")
+
+
+def test_token_prefix_is_extended_only_by_the_same_ids_plus_more() -> None:
+    prompt = list(range(100, 140))
+    exact = TokenPrefix.of(prompt, offered=39, exact=True)
+    loose = TokenPrefix.of(prompt, offered=39, exact=False)
+    assert exact is not None and loose is not None and exact.held == loose.held == 39
+    assert exact.extended_by([*prompt, 7]) and loose.extended_by([*prompt, 7])
+    assert not exact.extended_by(prompt) and loose.extended_by(prompt)  # a regenerate: exact says no
+    edited = [*prompt, 7]
+    edited[3] = 5
+    assert not exact.extended_by(edited) and not loose.extended_by(edited)
+    assert not loose.extended_by(prompt[:39])  # adds nothing
+    assert TokenPrefix.of(prompt, offered=0, exact=True) is None
+    assert TokenPrefix.of([2**33], offered=1, exact=False) is None
+    # An offer beyond the prompt (decode's own tokens) is covered up to the prompt only.
+    assert TokenPrefix.of(prompt, offered=90, exact=False).held == 40  # type: ignore[union-attr]
+
+
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=60),
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=20),
+    st.data(),
+)
+def test_token_prefix_property(prompt: list[int], suffix: list[int], data: st.DataObject) -> None:
+    held = TokenPrefix.of(prompt, offered=len(prompt), exact=True)
+    assert held is not None and held.extended_by(prompt + suffix)
+    i = data.draw(st.integers(0, len(prompt) - 1))
+    changed = list(prompt)
+    changed[i] = (changed[i] + 1) % 2**32
+    assert not held.extended_by(changed + suffix)
+
+
+def test_records_round_trip_the_token_fingerprint() -> None:
+    held = TokenPrefix.of([1, 2, 3, 4], offered=3, exact=True)
+    record = ConversationRecord(decode="d0", request_id="r", tokens=held)
+    assert ConversationRecord.from_json(record.to_json()) == record
+    old = {k: v for k, v in record.to_json().items() if k != "tokens"}  # written before the field existed
+    assert ConversationRecord.from_json(old).tokens is None
+
+
+def test_generate_body_keeps_the_render_and_asks_for_one_token() -> None:
+    rendered = rendered_request(
+        {"token_ids": [5, 6], "sampling_params": {"max_tokens": 50, "temperature": 0}, "stream": True}
+    )
+    assert rendered is not None
+    body = generate_body(rendered, kv_params={"do_remote_decode": True}, request_id="agentkv-1")
+    assert body["token_ids"] == [5, 6] and body["stream"] is False and body["request_id"] == "agentkv-1"
+    assert body["sampling_params"] == {"max_tokens": 1, "min_tokens": 0, "temperature": 0}
+    assert rendered["sampling_params"]["max_tokens"] == 50  # the render is not changed
+    assert rendered_request([rendered, rendered]) is None  # several prompts: the text path
+    assert rendered_request({"token_ids": [1, -2], "sampling_params": {}}) is None
+    assert rendered_request({"token_ids": [1], "sampling_params": {}, "features": {"mm": 1}}) is None
