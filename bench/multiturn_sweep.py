@@ -139,6 +139,8 @@ def stream_turn(
         "input_num_tokens": usage.get("prompt_tokens"),
         "output_num_tokens": usage.get("completion_tokens"),
         "prefill_ms": float(headers.get("x-agentkv-prefill-ms") or "nan"),
+        # The token path's one render (chat template + tokenizer on prefill's API server), before the P hop.
+        "render_ms": float(headers.get("x-agentkv-render-ms") or "nan"),
         "reuse": headers.get("x-agentkv-reuse"),
         "path": headers.get("x-agentkv-path"),
         "reused_tokens": int(headers.get("x-agentkv-reused-tokens") or 0),
@@ -156,15 +158,25 @@ def api_ms(prefill_ms: float, queue_ms: float, engine_prefill_ms: float) -> floa
     return round(prefill_ms - queue_ms - engine_prefill_ms, 2)
 
 
-def phase_split(p: dict[str, float], d: dict[str, float], prefill_ms: float) -> dict[str, float]:
-    """Where one turn's time went, from the engines' histogram deltas (ms)."""
+def phase_split(
+    p: dict[str, float], d: dict[str, float], prefill_ms: float, *, ttft_ms: float, render_ms: float
+) -> dict[str, float]:
+    """Where one turn's time went, from the engines' histogram deltas and the router's headers (ms).
+
+    TTFT = render (token path) + P hop + D hop; each hop = its engine's queue + compute + the rest (HTTP,
+    JSON, rendering/tokenizing where the hop still does it: `*_api_ms`)."""
     ms = {k: round(v * 1e3, 2) for k, v in p.items() if k in PHASES}
+    render = 0.0 if render_ms != render_ms else render_ms
+    d_hop = round(ttft_ms - render - prefill_ms, 2)
+    d_queue, d_engine = round(d["queue_s"] * 1e3, 2), round(d["ttft_s"] * 1e3, 2)
     return {
         "p_queue_ms": ms["queue_s"],
         "p_engine_prefill_ms": ms["engine_prefill_s"],
         "p_api_ms": api_ms(prefill_ms, ms["queue_s"], ms["engine_prefill_s"]),
-        "d_queue_ms": round(d["queue_s"] * 1e3, 2),
-        "d_engine_ttft_ms": round(d["ttft_s"] * 1e3, 2),
+        "d_hop_ms": d_hop,
+        "d_queue_ms": d_queue,
+        "d_engine_ttft_ms": d_engine,
+        "d_api_ms": round(d_hop - d_queue - d_engine, 2),
     }
 
 
@@ -222,6 +234,8 @@ def run_leg(
                         {k: after[k] - before[k] for k in PHASES},
                         {k: d_after[k] - d_before[k] for k in PHASES},
                         row["prefill_ms"],
+                        ttft_ms=row["ttft_ms"],
+                        render_ms=row["render_ms"],
                     )
                 )
                 rows.append(row)
@@ -234,9 +248,12 @@ def run_leg(
                                 "label",
                                 "input_num_tokens",
                                 "ttft_ms",
+                                "render_ms",
                                 "prefill_ms",
                                 "transfer_ms",
                                 "p_queue_ms",
+                                "p_api_ms",
+                                "d_api_ms",
                                 "p_engine_prefill_ms",
                                 "d_queue_ms",
                                 "reuse",
@@ -329,6 +346,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                     r["p_api_ms"] = api_ms(r["prefill_ms"], r["p_queue_ms"], r["p_engine_prefill_ms"])
             for key in (
                 "ttft_ms",
+                "render_ms",
                 "prefill_ms",
                 "transfer_ms",
                 "compute_ms",
@@ -339,6 +357,8 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                 "p_api_ms",
                 "d_queue_ms",
                 "d_engine_ttft_ms",
+                "d_hop_ms",
+                "d_api_ms",
             ):
                 vals = [r[key] for r in rs if isinstance(r.get(key), int | float)]
                 entry[f"{key}_{leg}"] = round(median(vals), 2) if vals else None

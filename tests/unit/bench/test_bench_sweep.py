@@ -26,15 +26,20 @@ def test_phase_split_takes_the_engine_time_out_of_the_router_hop() -> None:
     # e2e left at 0: vLLM 0.26 records none for a request that ends holding KV for a remote decode.
     p = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.030, "engine_prefill_s": 0.200}
     d = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.015, "ttft_s": 0.050}
-    split = phase_split(p, d, prefill_ms=260.0)
+    split = phase_split(p, d, prefill_ms=260.0, ttft_ms=400.0, render_ms=40.0)
     assert split == {
         "p_queue_ms": 30.0,
         "p_engine_prefill_ms": 200.0,
         "p_api_ms": 30.0,
+        "d_hop_ms": 100.0,  # 400 - 40 rendering - 260 prefill
         "d_queue_ms": 15.0,
         "d_engine_ttft_ms": 50.0,
+        "d_api_ms": 35.0,
     }
-    assert math.isnan(phase_split(p, d, prefill_ms=float("nan"))["p_api_ms"])
+    nan = float("nan")
+    assert math.isnan(phase_split(p, d, prefill_ms=nan, ttft_ms=400.0, render_ms=nan)["p_api_ms"])
+    # The text path renders inside the P hop: no render phase of its own.
+    assert phase_split(p, d, prefill_ms=260.0, ttft_ms=400.0, render_ms=nan)["d_hop_ms"] == 140.0
 
 
 def test_summary_reports_ratios_against_off_and_against_the_floor() -> None:
