@@ -18,6 +18,7 @@ from starlette.routing import Route
 from agentkv._exceptions import APIStatusError
 
 from ._backend import BackendPool
+from ._book import TurnBook
 from ._conversations import Conversations
 from ._errors import client_error, error_body, error_response
 from ._health import HealthChecker
@@ -35,11 +36,11 @@ from ._ids import (
 from ._lease import LeaseClient
 from ._metrics import RouterMetrics
 from ._params import strip_client_fields
-from ._proxy import Turn, TurnRunner
+from ._proxy import TurnRunner
 from ._settings import RouterSettings
 from ._store import ConversationStore, MemoryStore, StoreUnavailableError
 from ._transport import PooledTransport
-from ._turn import TurnBook
+from ._turn import Turn
 
 __all__ = ["create_app", "run_router"]
 

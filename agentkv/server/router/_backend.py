@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from collections.abc import Iterator
@@ -73,6 +74,15 @@ class BackendState:
     @property
     def name(self) -> str:
         return self.backend.name
+
+    @contextlib.contextmanager
+    def inflight(self) -> Iterator[None]:
+        """One request counted in `outstanding` (what the choosers balance on) for as long as it runs."""
+        self.outstanding += 1
+        try:
+            yield
+        finally:
+            self.outstanding -= 1
 
     def saw_registration(self, registration: Registration) -> None:
         if registration.engine_id is not None:

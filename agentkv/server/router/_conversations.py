@@ -7,9 +7,9 @@ import json
 import time
 from typing import Any
 
+from ._book import TurnBook
 from ._errors import client_error
 from ._store import ConversationRecord
-from ._turn import TurnBook
 
 __all__ = ["Conversations"]
 

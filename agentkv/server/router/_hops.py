@@ -67,19 +67,15 @@ class Hops:
     ) -> Any:
         """`post_json` for any JSON answer (None when it is not JSON)."""
         role = state.backend.role
-        state.outstanding += 1
-        try:
-            with self._mapped_errors(role):
-                async with asyncio.timeout(total_s):
-                    resp = await self._transport.handle_async_request(
-                        self._request(state, path, body, request_id, total_s)
-                    )
-                    try:
-                        await resp.aread()
-                    finally:
-                        await resp.aclose()
-        finally:
-            state.outstanding -= 1
+        with state.inflight(), self._mapped_errors(role):
+            async with asyncio.timeout(total_s):
+                resp = await self._transport.handle_async_request(
+                    self._request(state, path, body, request_id, total_s)
+                )
+                try:
+                    await resp.aread()
+                finally:
+                    await resp.aclose()
         self.check_status(role, resp.status_code, resp.content)
         try:
             return resp.json()

