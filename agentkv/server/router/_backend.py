@@ -75,18 +75,26 @@ class BackendState:
     def name(self) -> str:
         return self.backend.name
 
-    @contextlib.contextmanager
-    def inflight(self) -> Iterator[None]:
+    def inflight(self) -> contextlib.AbstractContextManager[None]:
         """One request counted in `outstanding` (what the choosers balance on) for as long as it runs."""
-        self.outstanding += 1
-        try:
-            yield
-        finally:
-            self.outstanding -= 1
+        return _InFlight(self)
 
     def saw_registration(self, registration: Registration) -> None:
         if registration.engine_id is not None:
             self.registration = registration
+
+
+class _InFlight:
+    # A class, not a generator: a generator's context would also end when garbage-collected, and an answer
+    # whose end was never seen must show up as a leaked count, not vanish silently.
+    def __init__(self, state: BackendState) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        self._state.outstanding += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._state.outstanding -= 1
 
 
 class BackendPool:
