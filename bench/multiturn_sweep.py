@@ -269,10 +269,14 @@ def run_leg(
     return rows
 
 
+# Legs whose router reuses decode's KV (the engines run with bidirectional transfer).
+REUSE_LEGS = ("on", "on-inexact")
+
+
 def start_leg(args: argparse.Namespace, leg: str) -> Any:
     from agentkv.server._cluster import Cluster, ClusterConfig
 
-    on = leg == "on"
+    on = leg in REUSE_LEGS
     extra_args = list(args.engine_arg or [])
     cfg = ClusterConfig(
         model=args.model,
@@ -298,7 +302,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
 def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
     import subprocess
 
-    port = args.port_base + {"on": 1, "off": 2}.get(leg, 3)
+    port = args.port_base + {"on": 1, "off": 2, "on-inexact": 4}.get(leg, 3)
     policy = "always-pd" if shape == "published" else "auto"
     argv = [
         sys.executable,
@@ -314,8 +318,11 @@ def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -
         "--decode",
         cluster.decodes[0].spec.url,
     ]
-    if leg != "on":
+    if leg not in REUSE_LEGS:
         argv.append("--no-reuse")
+    # The router's default is exact (answers bit-identical to a recompute); the inexact leg lets decode serve
+    # what it holds from its own prefix cache, as vLLM's prefix cache does.
+    argv.append("--no-exact" if leg == "on-inexact" else "--exact")
     log = open(Path(args.log_dir) / f"router-{leg}-{shape}.log", "wb")  # noqa: SIM115 - lives as long as the router
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -337,7 +344,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
         if shape == "agentic" and label != "suffix":
             continue
         entry: dict[str, Any] = {"target_tokens": target, "label": label}
-        for leg in ("off", "on", "floor"):
+        for leg in ("off", "on", "on-inexact", "floor"):
             rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
             if not rs:
                 continue
@@ -363,8 +370,9 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                 vals = [r[key] for r in rs if isinstance(r.get(key), int | float)]
                 entry[f"{key}_{leg}"] = round(median(vals), 2) if vals else None
             entry[f"paths_{leg}"] = sorted({str(r["path"]) for r in rs})
-        if entry.get("ttft_ms_off") and entry.get("ttft_ms_on"):
-            entry["ttft_ratio_on_off"] = round(entry["ttft_ms_on"] / entry["ttft_ms_off"], 3)
+        for leg in REUSE_LEGS:
+            if entry.get("ttft_ms_off") and entry.get(f"ttft_ms_{leg}"):
+                entry[f"ttft_ratio_{leg}_off"] = round(entry[f"ttft_ms_{leg}"] / entry["ttft_ms_off"], 3)
         if entry.get("prefill_ms_floor") and entry.get("prefill_ms_on"):
             entry["prefill_ratio_on_floor"] = round(entry["prefill_ms_on"] / entry["prefill_ms_floor"], 3)
         out.append(entry)
@@ -493,7 +501,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--lease-s", type=float, default=60)
-    ap.add_argument("--legs", default="off,on", help="off, on, floor (OFF with prefill's prefix cache on)")
+    ap.add_argument(
+        "--legs",
+        default="off,on",
+        help="off, on (exact), on-inexact, floor (OFF with prefill's prefix cache on)",
+    )
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag (repeat)")
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
     ap.add_argument("--port-base", type=int, default=21000)
