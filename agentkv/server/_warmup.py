@@ -24,7 +24,7 @@ import httpx
 
 from agentkv._constants import SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
 from agentkv._exceptions import WarmUpError
-from agentkv.server.router._params import KV_KEY, decode_body, prefill_body
+from agentkv._wire import KV_KEY, decode_body, prefill_body
 
 __all__ = ["WarmUpReport", "warm_up_pair"]
 

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 
 from agentkv._constants import SERVICE_TOKEN_ENV, service_headers
+from agentkv._wire import KV_KEY, decode_body, prefill_body
 from agentkv.server._launcher import kill_group, tail
 
 MODEL = "tiny"
@@ -305,29 +306,19 @@ def pd_turn(
     """One turn straight to P then D, the way the router does it, without the router. Returns D's turn and
     the request id (for the decode retention service)."""
     rid = new_id("direct")
-    kv: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-    if retained:
-        kv.update(retained)
-        kv.update(do_remote_decode=True, do_remote_prefill=False)  # decode's params say it decoded
     base = {"model": MODEL, "messages": messages, "temperature": 0}
     p = httpx.post(
         f"{prefill_url}/v1/chat/completions",
-        json={**base, "max_tokens": 1, "kv_transfer_params": kv},
+        json=prefill_body(base, retained),
         headers={"X-Request-Id": rid},
         timeout=timeout_s,
     )
     assert p.status_code == 200, p.text
+    d_base = {**base, "max_tokens": max_tokens, "logprobs": True, "return_tokens_as_token_ids": True}
     d = httpx.post(
         f"{decode_url}/v1/chat/completions",
-        json={
-            **base,
-            "max_tokens": max_tokens,
-            "logprobs": True,
-            "return_tokens_as_token_ids": True,
-            "kv_transfer_params": p.json()["kv_transfer_params"],
-            # As an exact router does: decode loads the whole prompt and reuses none of its own KV.
-            "cache_salt": f"direct-{rid}",
-        },
+        # As an exact router does: decode loads the whole prompt and reuses none of its own KV.
+        json=decode_body(d_base, p.json()[KV_KEY], cache_salt=f"direct-{rid}"),
         headers={"X-Request-Id": rid},
         timeout=timeout_s,
     )

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
-from agentkv._offer import cut_offer
+from agentkv._wire import RETAIN_KEY, cut_offer
 from agentkv.server._connector._config import ConnectorSettings
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
@@ -44,7 +44,6 @@ __all__ = ["AgentKVScheduler"]
 
 logger = logging.getLogger("agentkv.connector")
 TAIL = "agentkv_tail_hash"
-RETAIN = "agentkv_retain"
 _BLIND_SLEEP_MAX_S = 0.02
 
 
@@ -204,7 +203,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if params and params.get(RETAIN) and self.is_bidirectional_kv_xfer_enabled:
+        if params and params.get(RETAIN_KEY) and self.is_bidirectional_kv_xfer_enabled:
             # Decode-local turns never pass through P, so vLLM would not track them for sending; without
             # this the worker ignores their deadline and the retained blocks would never be freed.
             self._reqs_in_batch.add(request.request_id)

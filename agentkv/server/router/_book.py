@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from agentkv._constants import FINGERPRINTS_KEY
-from agentkv._offer import cut_offer
+from agentkv._wire import cut_offer
 
 from ._backend import BackendPool, BackendState, Registration
 from ._hops import Hops

@@ -13,26 +13,29 @@ from starlette.responses import Response
 
 from agentkv._constants import H_LEASE_EXPIRES_IN
 from agentkv._exceptions import APIStatusError
+from agentkv._wire import (
+    GENERATE_PATH,
+    KV_KEY,
+    decode_body,
+    decode_local_body,
+    generate_body,
+    prefill_body,
+    prefill_params,
+    render_path,
+    rendered_request,
+    reusable_tokens,
+)
 
 from ._backend import BackendState
 from ._book import TurnBook
 from ._errors import client_error
 from ._hops import close_quietly, with_failover
-from ._params import (
-    KV_KEY,
-    decode_body,
-    decode_local_body,
-    prefill_body,
-    prefill_params,
-    reusable_tokens,
-    strip_kv_json,
-)
+from ._params import strip_kv_json
 from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
 from ._sse import ABORTED, TurnOutput
 from ._store import ConversationRecord, StoreUnavailableError
-from ._tokens import GENERATE_PATH, generate_body, render_path, rendered_request
 from ._turn import Turn
 
 __all__ = ["TurnRunner"]

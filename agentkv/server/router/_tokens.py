@@ -18,53 +18,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = [
-    "GENERATE_PATH",
-    "TokenPrefix",
-    "generate_body",
-    "render_path",
-    "rendered_request",
-]
-
-GENERATE_PATH = "/inference/v1/generate"
-_RENDER_PATHS = {
-    "/v1/chat/completions": "/v1/chat/completions/render",
-    "/v1/completions": "/v1/completions/render",
-}
-
-
-def render_path(api_path: str) -> str | None:
-    """vLLM's render route for a client route, or None where there is none."""
-    return _RENDER_PATHS.get(api_path)
-
-
-def rendered_request(answer: Any) -> dict[str, Any] | None:
-    """The one `GenerateRequest` a render answered with (chat: an object; completions: a list of one per
-    prompt), or None when it is not one prompt of plain token ids (several prompts, multimodal features)."""
-    if isinstance(answer, list):
-        if len(answer) != 1:
-            return None
-        answer = answer[0]
-    if not isinstance(answer, dict) or answer.get("features"):
-        return None
-    ids = answer.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-        return None
-    if not isinstance(answer.get("sampling_params"), dict):
-        return None
-    return answer
-
-
-def generate_body(rendered: dict[str, Any], *, kv_params: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """Prefill's tokens-in request: the rendered ids and sampling parameters, one output token, P's params.
-
-    The render's own `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill
-    computed, so sharing it under the client's salt is what a single vLLM server does."""
-    sampling = dict(rendered["sampling_params"])
-    sampling.update(max_tokens=1, min_tokens=0)
-    out = {k: v for k, v in rendered.items() if k not in ("stream", "stream_options", "sampling_params")}
-    out.update(sampling_params=sampling, stream=False, request_id=request_id, kv_transfer_params=kv_params)
-    return out
+__all__ = ["TokenPrefix"]
 
 
 def _digest(ids: Sequence[int]) -> str:

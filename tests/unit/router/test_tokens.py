@@ -9,8 +9,9 @@ import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
+from agentkv._wire import generate_body, rendered_request
 from agentkv.server.router._store import ConversationRecord
-from agentkv.server.router._tokens import TokenPrefix, generate_body, rendered_request
+from agentkv.server.router._tokens import TokenPrefix
 
 from .conftest import FakeEngines, render_ids, store_of
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from agentkv._exceptions import APIStatusError
+from agentkv._wire import prefill_body
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
-from agentkv.server.router._params import prefill_body, strip_client_fields, strip_kv_json
+from agentkv.server.router._params import strip_client_fields, strip_kv_json
 from agentkv.server.router._prefix import Prefix
 from agentkv.server.router._sse import EventSplitter, TurnOutput
 

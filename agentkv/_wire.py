@@ -1,0 +1,163 @@
+"""The wire format between agentkv and vLLM engines, in one place: the prefill and decode request bodies
+of a P/D turn (text, or token ids on the token path), the `kv_transfer_params` keys agentkv reads and writes,
+and decode's offer cut to fewer tokens.
+
+Used by the router, the warm-up, the connector (inside vLLM), the benches and the tests. Pure, no vLLM or
+server import: the router and the SDK's tests run without the engine installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "GENERATE_PATH",
+    "KV_KEY",
+    "PROMPT_IDS_KEY",
+    "RETAIN_KEY",
+    "cut_offer",
+    "decode_body",
+    "decode_local_body",
+    "generate_body",
+    "prefill_body",
+    "prefill_params",
+    "render_path",
+    "rendered_request",
+    "reusable_tokens",
+    "with_prompt_ids",
+]
+
+KV_KEY = "kv_transfer_params"
+# Forwarded to decode so it skips rendering and tokenizing (vLLM >= 0.32, `_reused_prompt_token_ids`).
+PROMPT_IDS_KEY = "prompt_token_ids"
+# Asks our connector on decode to retain a request's blocks when it finishes (a decode-local turn, or a decode
+# hop without prefill's params).
+RETAIN_KEY = "agentkv_retain"
+GENERATE_PATH = "/inference/v1/generate"
+_RENDER_PATHS = {
+    "/v1/chat/completions": "/v1/chat/completions/render",
+    "/v1/completions": "/v1/completions/render",
+}
+
+
+# What a P/D prefill request carries without reuse: P keeps its blocks for D to read.
+_PREFILL_BASE: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_params(retained: dict[str, Any] | None) -> dict[str, Any]:
+    """P's params. With decode's retained params merged in, P's scheduler sees `do_remote_decode` plus
+    `remote_block_ids/engine_id/request_id/host/port` and pulls `remote_num_tokens` from decode."""
+    params = dict(_PREFILL_BASE)
+    if retained:
+        # All of decode's keys travel: tp/pp sizes, the expiry P checks against, agentkv_block_hashes.
+        params.update(retained)
+        # Decode answers with do_remote_decode=True already; pin both flags so P acts as producer.
+        params["do_remote_decode"] = True
+        params["do_remote_prefill"] = False
+    return params
+
+
+def prefill_body(body: dict[str, Any], retained: dict[str, Any] | None) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        out.pop(key, None)
+    out[KV_KEY] = prefill_params(retained)
+    return out
+
+
+def decode_body(
+    body: dict[str, Any],
+    prefill_kv: dict[str, Any] | None,
+    *,
+    cache_salt: str | None = None,
+    prompt_ids: list[int] | None = None,
+) -> dict[str, Any]:
+    out = dict(body)
+    if cache_salt is not None:
+        # A salt no earlier request had: decode finds nothing in its own prefix cache and loads every prompt
+        # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
+        out["cache_salt"] = cache_salt
+    # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
+    out[KV_KEY] = with_prompt_ids(dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}, prompt_ids)
+    return out
+
+
+def decode_local_body(body: dict[str, Any], *, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    # A non-empty params dict makes a bidirectional decode retain its blocks when the request finishes.
+    return {**body, KV_KEY: with_prompt_ids({RETAIN_KEY: True}, prompt_ids)}
+
+
+def with_prompt_ids(params: dict[str, Any], prompt_ids: list[int] | None) -> dict[str, Any]:
+    """Forward the prompt's ids so decode skips rendering and tokenizing (vLLM >= 0.32). Only ever ids that
+    prefill rendered for this same body: vLLM does not check them against the messages."""
+    if prompt_ids is not None:
+        params[PROMPT_IDS_KEY] = prompt_ids
+    return params
+
+
+def reusable_tokens(retained: dict[str, Any], prompt_tokens: int | None) -> int:
+    """What P can pull: decode's computed tokens, bounded by the new prompt (as P's scheduler does)."""
+    held = retained.get("remote_num_tokens")
+    held = held if isinstance(held, int) and held > 0 else 0
+    return min(held, prompt_tokens) if prompt_tokens is not None else held
+
+
+def cut_offer(params: dict[str, Any], num_tokens: int, block_size: int) -> dict[str, Any]:
+    """A copy of ``params`` that offers exactly the first ``num_tokens`` tokens.
+
+    vLLM reads ``remote_num_tokens`` and ``remote_block_ids`` (one list per KV cache group). The block lists
+    must end where the tokens do: vLLM's reader end-aligns the remote list to its own blocks
+    (``_apply_prefix_caching``: ``remote[-len(local):]``), so one remote block too many shifts every block
+    read by one and prefill computes with the KV of other positions.
+    """
+    n_blocks = -(-num_tokens // block_size)
+    return {
+        **params,
+        "remote_num_tokens": num_tokens,
+        "remote_block_ids": [list(g[:n_blocks]) for g in params["remote_block_ids"]],
+    }
+
+
+def render_path(api_path: str) -> str | None:
+    """vLLM's render route for a client route, or None where there is none."""
+    return _RENDER_PATHS.get(api_path)
+
+
+def rendered_request(answer: Any) -> dict[str, Any] | None:
+    """The one `GenerateRequest` a render answered with (chat: an object; completions: a list of one per
+    prompt), or None when it is not one prompt of plain token ids (several prompts, multimodal features)."""
+    if isinstance(answer, list):
+        if len(answer) != 1:
+            return None
+        answer = answer[0]
+    if not isinstance(answer, dict) or answer.get("features"):
+        return None
+    ids = answer.get("token_ids")
+    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+        return None
+    if not isinstance(answer.get("sampling_params"), dict):
+        return None
+    return answer
+
+
+def generate_body(rendered: dict[str, Any], *, kv_params: dict[str, Any], request_id: str) -> dict[str, Any]:
+    """Prefill's tokens-in request: the rendered ids and sampling parameters, one output token, P's params.
+
+    The render's own `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill
+    computed, so sharing it under the client's salt is what a single vLLM server does."""
+    sampling = dict(rendered["sampling_params"])
+    sampling.update(max_tokens=1, min_tokens=0)
+    out = {k: v for k, v in rendered.items() if k not in ("stream", "stream_options", "sampling_params")}
+    out.update(sampling_params=sampling, stream=False, request_id=request_id, kv_transfer_params=kv_params)
+    return out
