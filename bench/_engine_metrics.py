@@ -58,6 +58,16 @@ def parse(text: str, names: Mapping[str, str]) -> dict[str, float]:
     return out
 
 
+def _scrape(url: str, names: Mapping[str, str]) -> dict[str, float]:
+    """One engine's metrics, or nothing when it does not answer with them (a missed sample, not an error:
+    an engine busy with a long prefill may miss a poll)."""
+    try:
+        response = httpx.get(f"{url}/metrics", timeout=5)
+        return parse(response.text, names) if response.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Endpoint:
     role: str  # "prefill", "decode" or "single"
@@ -90,11 +100,9 @@ class EngineWatch:
         values: dict[str, dict[str, float]] = {}
         for endpoint in self.endpoints:
             got: dict[str, float] = {}
-            with contextlib.suppress(httpx.HTTPError):
-                got.update(parse(httpx.get(f"{endpoint.url}/metrics", timeout=5).text, VLLM))
+            got.update(_scrape(endpoint.url, VLLM))
             if endpoint.service_url is not None:
-                with contextlib.suppress(httpx.HTTPError):
-                    got.update(parse(httpx.get(f"{endpoint.service_url}/metrics", timeout=5).text, CONNECTOR))
+                got.update(_scrape(endpoint.service_url, CONNECTOR))
             values[endpoint.role] = got
         sample = Sample(t_s=round(self.now(), 3), values=values)
         with self._lock:

@@ -512,9 +512,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return data
 
 
+def _num(value: Any) -> Any:
+    return float("nan") if value is None else value
+
+
 def report(data: dict[str, Any], out: Path) -> None:
     """The tables (and, where matplotlib is installed, the PNGs) of one run."""
-    rows = []
+    latency, resources = [], []
     for leg, result in data["legs"].items():
         for step in result["steps"]:
             if "summary" not in step:
@@ -522,7 +526,7 @@ def report(data: dict[str, Any], out: Path) -> None:
             s, e = step["summary"], step["engines"]
             d = e.get("decode") or e.get("single") or {}
             p = e.get("prefill") or {}
-            rows.append(
+            latency.append(
                 [
                     leg,
                     step["rate"],
@@ -530,61 +534,54 @@ def report(data: dict[str, Any], out: Path) -> None:
                     s["turns_s"],
                     s["goodput_turns_s"],
                     "yes" if s["slo_ok"] else "no",
-                    *(s["ttft_ms"][k] for k in ("p50", "p90", "p99")),
-                    *(s["tpot_ms"][k] for k in ("p50", "p90", "p99")),
-                    s["hit_rate"],
-                    d.get("kv_usage_max"),
-                    d.get("retained_share_max"),
-                    d.get("not_retained_delta"),
-                    (d.get("preemptions_delta") or 0) + (p.get("preemptions_delta") or 0),
-                    p.get("queue_ms_mean"),
-                    d.get("queue_ms_mean"),
-                    sum(s["errors"].values()) + s["cut"],
-                    "; ".join(step["limits"]),
+                    *(_num(s["ttft_ms"][k]) for k in ("p50", "p90", "p99")),
+                    *(_num(s["tpot_ms"][k]) for k in ("p50", "p90", "p99")),
+                    _num(s["hit_rate"]),
+                    sum(s["errors"].values()),
+                    s["cut"],
                 ]
             )
-    cols = [
-        "leg",
-        "conv/s",
-        "convs",
-        "turns/s",
-        "goodput",
-        "SLO",
-        "TTFT p50",
-        "p90",
-        "p99",
-        "TPOT p50",
-        "p90",
-        "p99",
-        "hit rate",
-        "D KV peak",
-        "retained peak",
-        "declined",
-        "preempt",
-        "P queue ms",
-        "D queue ms",
-        "err+cut",
-        "what ran out",
-    ]
+            resources.append(
+                [
+                    leg,
+                    step["rate"],
+                    s["peak_active_conversations"],
+                    _num(d.get("kv_usage_max")),
+                    _num(d.get("retained_share_max")),
+                    _num(d.get("not_retained_delta")),
+                    (d.get("preemptions_delta") or 0) + (p.get("preemptions_delta") or 0),
+                    _num(p.get("queue_ms_mean")),
+                    _num(d.get("queue_ms_mean")),
+                    "; ".join(step["limits"]) or "-",
+                ]
+            )
+    latency_cols = ["leg", "conv/s", "convs", "turns/s", "goodput", "SLO met"]
+    latency_cols += ["TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99", "hit rate"]
+    latency_cols += ["errors", "cut"]
+    resource_cols = ["leg", "conv/s", "peak convs", "D KV peak", "retained peak", "declined", "preempted"]
+    resource_cols += ["P queue ms", "D queue ms", "what ran out"]
     knees = [
-        [leg, r["knee"]["rate"], r["knee"]["goodput_turns_s"], r["knee"]["hit_rate"], r.get("engine_start_s")]
+        [leg, _num(r["knee"]["rate"]), r["knee"]["goodput_turns_s"], _num(r["knee"]["hit_rate"])]
         for leg, r in data["legs"].items()
     ]
+    extra = {"targets": data.get("targets"), "skipped_legs": data.get("skipped_legs")}
     try:
         from bench._common import print_table
     except ImportError:
-        print(json.dumps({"columns": cols, "rows": rows}))
-        print(json.dumps({"knees": knees, "targets": data.get("targets")}))
+        for name, cols, rows in (("latency", latency_cols, latency), ("resources", resource_cols, resources)):
+            print(json.dumps({"table": name, "columns": cols, "rows": rows}))
+        print(json.dumps({"knees": knees, **extra}))
         return
     slo = data["slo"]
+    title = f"SLO: TTFT p90 <= {slo['ttft_ms']:.0f} ms and TPOT p90 <= {slo['tpot_ms']:.0f} ms"
+    print_table(f"goodput under load ({data['device']}; {title}; ms)", latency_cols, latency)
     print_table(
-        f"goodput under load ({data['device']}; SLO TTFT p90 <= {slo['ttft_ms']:.0f} ms, TPOT p90 <= "
-        f"{slo['tpot_ms']:.0f} ms)",
-        cols,
-        rows,
+        "what the engines held and waited for (KV shares of the engine's blocks)", resource_cols, resources
     )
-    print_table("knee per leg", ["leg", "conv/s", "goodput turns/s", "hit rate", "engine start s"], knees)
-    print(json.dumps({"targets": data.get("targets"), "skipped_legs": data.get("skipped_legs")}))
+    print_table(
+        "knee per leg (highest rate within the SLO)", ["leg", "conv/s", "goodput turns/s", "hit rate"], knees
+    )
+    print(json.dumps(extra))
     _plot(data, out)
 
 
