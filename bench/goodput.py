@@ -227,6 +227,9 @@ class _Deployment:
                 device=args.device,
                 max_model_len=args.max_model_len,
                 prefix_caching=True,
+                # On CPU, the KV space of P and D together (each engine's default is 1 GiB); on GPU the
+                # memory flags come with --agg-engine-arg.
+                cpu_kvcache_gib=2,
                 extra_args=list(
                     args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []
                 ),
