@@ -211,6 +211,17 @@ def test_targets_compare_knees_and_count_errors() -> None:
     assert "exact_vs_off_goodput" in t and t["exact_vs_off_goodput"] is None
 
 
+def _short_plans(**kw: Any) -> list[Any]:
+    """Sub-second plans for the driver tests: tiny contexts, gaps of tens of milliseconds."""
+    return generate_plans(contexts=[100], suffix=10, gap_sigma=0.1, max_gap_s=0.1, **kw)
+
+
+async def _drive(plans: list[Any], transport: httpx.AsyncBaseTransport, **kw: Any) -> StepRun:
+    return await run_step(
+        plans, url="http://r.test", model="m", text=lambda c, n: "w " * n, tag="t", transport=transport, **kw
+    )
+
+
 def _sse(tokens: int, reuse: str) -> httpx.Response:
     chunks = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(tokens)]
     chunks.append({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": tokens}})
@@ -230,29 +241,8 @@ async def test_run_step_drives_turns_heartbeats_and_closes_conversations() -> No
             return _sse(body["max_tokens"], "miss" if len(body["messages"]) == 1 else "hit")
         return httpx.Response(200, json={})
 
-    plans = generate_plans(
-        rate=20.0,
-        window_s=0.2,
-        contexts=[100],
-        turns=3,
-        suffix=10,
-        output_tokens=4,
-        gap_median_s=0.05,
-        gap_sigma=0.1,
-        max_gap_s=0.1,
-        seed=3,
-    )
-    run = await run_step(
-        plans,
-        url="http://r.test",
-        model="m",
-        text=lambda c, n: "w " * n,
-        tag="t",
-        router=True,
-        heartbeat_s=0.01,
-        drain_s=5,
-        transport=httpx.MockTransport(handler),
-    )
+    plans = _short_plans(rate=20.0, window_s=0.2, turns=3, output_tokens=4, gap_median_s=0.05, seed=3)
+    run = await _drive(plans, httpx.MockTransport(handler), router=True, heartbeat_s=0.01, drain_s=5)
     assert len(run.records) == 3 * len(plans) and all(r.ok for r in run.records)
     assert all(r.output_tokens == 4 and r.tpot_s is not None for r in run.records)
     assert {r.reuse for r in run.records if r.turn > 0} == {"hit"}
@@ -269,28 +259,8 @@ async def test_run_step_cuts_what_is_still_running_at_the_drain_deadline() -> No
                 await asyncio.sleep(10)
             return httpx.Response(200, json={})
 
-    plans = generate_plans(
-        rate=50.0,
-        window_s=0.05,
-        contexts=[10],
-        turns=2,
-        suffix=5,
-        output_tokens=2,
-        gap_median_s=0.01,
-        gap_sigma=0.1,
-        max_gap_s=0.1,
-        seed=1,
-    )
-    run = await run_step(
-        plans,
-        url="http://r.test",
-        model="m",
-        text=lambda c, n: "w",
-        tag="t",
-        router=False,
-        drain_s=0.2,
-        transport=Slow(),
-    )
+    plans = _short_plans(rate=50.0, window_s=0.05, turns=2, output_tokens=2, gap_median_s=0.01, seed=1)
+    run = await _drive(plans, Slow(), router=False, drain_s=0.2)
     assert run.records and all(r.cut and r.error is None for r in run.records)
     assert run.wall_s < 2
 
