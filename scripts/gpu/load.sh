@@ -11,13 +11,7 @@
 # Legs the budget skipped are listed in the JSON ("skipped_legs"): run them in a second call.
 set -uo pipefail
 OUT=${1:?out dir}; LEGS=${2:-off,on,exact,agg}; shift 2 || true
-if [ -d .whl/deps ] && ! PYTHONPATH=/root/site python3 -c "import pydantic_settings, tenacity" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/deps/*.whl || exit 1
-fi
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
-# flashinfer is not carried; without this the engine dies at start (shared/gpu/README.md).
-export VLLM_USE_FLASHINFER_SAMPLER=0
-python3 -c "import agentkv.cli, agentkv.server.router, agentkv.server.connector, bench.goodput" || exit 1
+source scripts/gpu/_prelude.sh bench.goodput
 LOGS=/tmp/agentkv-load-logs RES=/tmp/agentkv-load
 rm -rf "$LOGS" "$RES"; mkdir -p "$LOGS" "$RES" "$OUT"
 # P and D: 30 GiB of KV each (~210k tokens of the 8B shape); agg: the same GPU memory as both, in one engine.
