@@ -19,7 +19,10 @@ the pull is measured); ``agentic`` builds a context of each length, then sends a
 (router path ``auto``, so short suffixes may be prefilled on decode). Conversations run one at a time so the
 engine's NIXL counters can be attributed to a turn. Per request the fields follow vLLM's multi-turn
 benchmark (``ttft_ms``, ``input_num_tokens``, ``output_num_tokens``, ``conversation_id``, ...), plus the
-router's prefill time and the KV transfer time/bytes/descriptors read from prefill's ``/metrics``.
+router's prefill time and the KV transfer time/bytes/descriptors read from prefill's ``/metrics``, and
+from both engines the bytes moved each way (``bytes_d_to_p``: prefill's reads of decode's retained KV;
+``bytes_p_to_d``: decode's reads of the prompt's KV) with a modeled ``ttft_two_node_ms``: P and D on two
+nodes at 400 Gb/s, i.e. the measured TTFT with the measured transfer time replaced by bytes / 50 GB/s.
 
 Writes ``multiturn_sweep.json`` (+ PNGs when matplotlib is installed; ``--plot FILE`` re-plots a JSON).
 """
@@ -180,6 +183,33 @@ def phase_split(
     }
 
 
+# Bytes each way and a two-node TTFT (issue 15). NIXL counts a transfer on the engine that initiates the
+# read: prefill's reads pull decode's retained KV (D->P), decode's reads pull the prompt's KV from prefill
+# (P->D). Both sit on a turn's path to its first token.
+TWO_NODE_BYTES_PER_S = 50e9  # 400 Gb/s, one NIC per node
+
+
+def transfer_directions(p: dict[str, float], d: dict[str, float]) -> dict[str, float | int]:
+    """Bytes, transfer time (ms) and transfer count of one turn, per direction, from both engines' NIXL
+    deltas (keys of ``NIXL``)."""
+    out: dict[str, float | int] = {}
+    for way, delta in (("d_to_p", p), ("p_to_d", d)):
+        out[f"bytes_{way}"] = int(delta["bytes"])
+        out[f"xfer_ms_{way}"] = round(delta["xfer_s"] * 1e3, 3)
+        out[f"xfers_{way}"] = int(delta["xfers"])
+    return out
+
+
+def two_node_ttft_ms(
+    ttft_ms: float, directions: dict[str, float | int], *, bytes_per_s: float = TWO_NODE_BYTES_PER_S
+) -> float:
+    """The measured TTFT with the same-GPU copies replaced by a link: measured transfer time out, bytes over
+    ``bytes_per_s`` in, both directions. Models the wire only (no extra latency, no overlap with compute)."""
+    measured_ms = float(directions["xfer_ms_d_to_p"]) + float(directions["xfer_ms_p_to_d"])
+    wire_ms = (int(directions["bytes_d_to_p"]) + int(directions["bytes_p_to_d"])) / bytes_per_s * 1e3
+    return round(ttft_ms - measured_ms + wire_ms, 2)
+
+
 def run_leg(
     args: argparse.Namespace,
     shape: str,
@@ -207,10 +237,10 @@ def run_leg(
                 add = max(16, target - have)
                 history.append({"role": "user", "content": words.text(add)})
                 before = scrape(prefill_url)
-                d_before = scrape(decode_url, PHASES) if decode_url else dict.fromkeys(PHASES, 0.0)
+                d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                 row = stream_turn(router, model, cid, history, args.output_tokens)
                 after = scrape(prefill_url)
-                d_after = scrape(decode_url, PHASES) if decode_url else dict.fromkeys(PHASES, 0.0)
+                d_after = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                 history.append({"role": "assistant", "content": row.pop("text")})
                 have = (row["input_num_tokens"] or target) + args.output_tokens
                 xfer = {k: after[k] - before[k] for k in NIXL}
@@ -228,6 +258,12 @@ def run_leg(
                     transfers=int(xfer["xfers"]),
                 )
                 on_turn()
+                row.update(
+                    transfer_directions(
+                        {k: after[k] - before[k] for k in NIXL}, {k: d_after[k] - d_before[k] for k in NIXL}
+                    )
+                )
+                row["ttft_two_node_ms"] = two_node_ttft_ms(row["ttft_ms"], row)
                 row["compute_ms"] = round(row["prefill_ms"] - row["transfer_ms"], 2)
                 row.update(
                     phase_split(
@@ -256,6 +292,9 @@ def run_leg(
                                 "d_api_ms",
                                 "p_engine_prefill_ms",
                                 "d_queue_ms",
+                                "bytes_d_to_p",
+                                "bytes_p_to_d",
+                                "ttft_two_node_ms",
                                 "reuse",
                                 "path",
                             )
@@ -366,6 +405,9 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                 "d_engine_ttft_ms",
                 "d_hop_ms",
                 "d_api_ms",
+                "bytes_d_to_p",
+                "bytes_p_to_d",
+                "ttft_two_node_ms",
             ):
                 vals = [r[key] for r in rs if isinstance(r.get(key), int | float)]
                 entry[f"{key}_{leg}"] = round(median(vals), 2) if vals else None
@@ -377,6 +419,10 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
             entry["prefill_ratio_on_floor"] = round(entry["prefill_ms_on"] / entry["prefill_ms_floor"], 3)
         out.append(entry)
     return out
+
+
+def _mb(value: float | None) -> float | None:
+    return None if value is None else round(value / 1e6, 1)
 
 
 def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -449,6 +495,10 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         "on/floor",
         "reused",
         "paths on",
+        "D->P MB on",
+        "P->D MB on",
+        "2-node TTFT off",
+        "2-node TTFT on",
     ]
     rows = [
         [
@@ -464,6 +514,10 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             s.get("prefill_ratio_on_floor"),
             s.get("reused_tokens_on"),
             ",".join(s.get("paths_on") or []),
+            _mb(s.get("bytes_d_to_p_on")),
+            _mb(s.get("bytes_p_to_d_on")),
+            s.get("ttft_two_node_ms_off"),
+            s.get("ttft_two_node_ms_on"),
         ]
         for s in summary
     ]

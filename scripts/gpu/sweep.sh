@@ -10,13 +10,7 @@
 #   --engine-arg=--compilation-config '--engine-arg={"mode":0,"cudagraph_mode":"FULL_DECODE_ONLY"}'
 set -uo pipefail
 OUT=${1:?out dir}; LEGS=${2:-off,on}; SHAPES=${3:-published,agentic}; shift 3 || true
-if [ -d .whl/deps ] && ! PYTHONPATH=/root/site python3 -c "import pydantic_settings, tenacity" 2>/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/deps/*.whl || exit 1
-fi
-export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
-# flashinfer is not carried; without this the engine dies at start (shared/gpu/README.md).
-export VLLM_USE_FLASHINFER_SAMPLER=0
-python3 -c "import agentkv.cli, agentkv.server.router, agentkv.server.connector, bench.multiturn_sweep" || exit 1
+source scripts/gpu/_prelude.sh bench.multiturn_sweep
 LOGS=/tmp/agentkv-sweep-logs RES=/tmp/agentkv-sweep
 rm -rf "$LOGS" "$RES"; mkdir -p "$LOGS" "$RES" "$OUT"
 timeout -s INT "${SWEEP_BUDGET_S:-500}" python3 -m bench.multiturn_sweep --device gpu --model /root/model \

@@ -75,3 +75,43 @@ def test_one_leg_alone_plots_and_prints(tmp_path: object) -> None:
     paths = plot(doc, out)
     assert [p.name for p in paths] == ["ttft_vs_length_published.png", "prefill_split_published.png"]
     assert all(p.stat().st_size > 0 for p in paths)
+
+
+def _nixl(bytes_: float, xfer_s: float, xfers: float) -> dict[str, float]:
+    from bench.multiturn_sweep import NIXL
+
+    return dict.fromkeys(NIXL, 0.0) | {"bytes": bytes_, "xfer_s": xfer_s, "xfers": xfers}
+
+
+def test_transfer_directions_reads_each_way_from_the_engine_that_initiated_it() -> None:
+    from bench.multiturn_sweep import transfer_directions
+
+    # Prefill pulled decode's retained KV (D->P); decode pulled the prompt's KV from prefill (P->D).
+    split = transfer_directions(_nixl(2.4e9, 0.004, 1), _nixl(0.3e9, 0.002, 1))
+    assert split == {
+        "bytes_d_to_p": 2_400_000_000,
+        "xfer_ms_d_to_p": 4.0,
+        "xfers_d_to_p": 1,
+        "bytes_p_to_d": 300_000_000,
+        "xfer_ms_p_to_d": 2.0,
+        "xfers_p_to_d": 1,
+    }
+
+
+def test_two_node_ttft_swaps_the_measured_copies_for_the_wire() -> None:
+    from bench.multiturn_sweep import transfer_directions, two_node_ttft_ms
+
+    split = transfer_directions(_nixl(2.4e9, 0.004, 1), _nixl(0.3e9, 0.002, 1))
+    # 600 ms measured, 6 ms of same-GPU copies out, 2.7 GB / 50 GB/s = 54 ms of wire in.
+    assert two_node_ttft_ms(600.0, split) == 648.0
+    assert two_node_ttft_ms(600.0, split, bytes_per_s=2.7e9) == 1594.0
+    # A turn that moved nothing is its measured TTFT.
+    assert two_node_ttft_ms(100.0, transfer_directions(_nixl(0, 0, 0), _nixl(0, 0, 0))) == 100.0
+
+
+def test_summary_carries_bytes_and_the_two_node_ttft() -> None:
+    rows = [_row("on", 600, 300) | {"bytes_d_to_p": 2_000, "bytes_p_to_d": 500, "ttft_two_node_ms": 640.0}]
+    [entry] = summarize([*rows, _row("off", 900, 800)], "published")
+    assert entry["bytes_d_to_p_on"] == 2_000 and entry["bytes_p_to_d_on"] == 500
+    assert entry["ttft_two_node_ms_on"] == 640.0
+    assert entry["ttft_two_node_ms_off"] is None  # rows written before the model existed

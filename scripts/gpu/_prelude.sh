@@ -1,0 +1,11 @@
+# Sourced by the scripts/gpu/*.sh benchmarks on the lent GPU host, after `set -uo pipefail`:
+#   source scripts/gpu/_prelude.sh bench.module_it_runs
+# Installs the project's own small dependencies (pydantic-settings, python-dotenv, tenacity) from .whl/deps
+# into /root/site where vLLM lives, sets the environment, and checks that everything imports.
+if [ -d .whl/deps ] && ! PYTHONPATH=/root/site python3 -c "import pydantic_settings, tenacity" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /root/site .whl/deps/*.whl || exit 1
+fi
+export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
+# flashinfer is not carried; without this the engine dies at start (shared/gpu/README.md).
+export VLLM_USE_FLASHINFER_SAMPLER=0
+python3 -c "import agentkv.cli, agentkv.server.router, agentkv.server.connector, ${1:?bench module}" || exit 1

@@ -1,0 +1,279 @@
+"""The goodput benchmark's pure parts (plans, step summary, knee, engine metrics, limits, targets) and its
+open-loop driver against a fake streaming server."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from bench._agentload import (
+    SLO,
+    StepRun,
+    TurnRecord,
+    generate_plans,
+    knee,
+    run_step,
+    summarize_step,
+    trace_plans,
+)
+from bench._engine_metrics import CONNECTOR, VLLM, Sample, digest, parse, series
+from bench._trace import Conversation, Request
+from bench.goodput import groups, limits, router_settings, targets
+
+VLLM_TEXT = """\
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="m"} 3.0
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_bucket{engine="0",le="+Inf",model_name="m"} 4.0
+vllm:request_queue_time_seconds_count{engine="0",model_name="m"} 4.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="m"} 0.2
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="64",engine="0",num_gpu_blocks="1000"} 1.0
+"""
+
+
+def test_parse_reads_vllm_names_and_the_engine_block_count() -> None:
+    got = parse(VLLM_TEXT, VLLM)
+    assert got == {
+        "kv_usage": 0.75,
+        "preemptions": 3.0,
+        "queue_n": 4.0,
+        "queue_s": 0.2,
+        "num_gpu_blocks": 1000.0,
+    }
+
+
+def test_parse_reads_the_connector_service_exposition() -> None:
+    from agentkv.server._connector._service import render_metrics
+
+    text = render_metrics({"role": "decode", "stats": {"not_retained": 2, "pulls": 5}}, 3, 250)
+    got = parse(text, CONNECTOR)
+    assert got["retained_blocks"] == 250 and got["retained_requests"] == 3
+    assert got["not_retained"] == 2 and got["pulls"] == 5
+
+
+def _sample(t: float, **decode: float) -> Sample:
+    return Sample(t_s=t, values={"decode": dict(decode)})
+
+
+def test_digest_takes_peaks_means_and_counter_increases() -> None:
+    samples = [
+        _sample(
+            0, kv_usage=0.2, retained_blocks=100, num_gpu_blocks=1000, preemptions=1, queue_s=1.0, queue_n=10
+        ),
+        _sample(
+            1, kv_usage=0.9, retained_blocks=500, num_gpu_blocks=1000, preemptions=4, queue_s=1.5, queue_n=20
+        ),
+    ]
+    d = digest(samples)["decode"]
+    assert d["kv_usage_max"] == 0.9 and d["kv_usage_mean"] == 0.55
+    assert d["retained_share_max"] == 0.5 and d["retained_share_mean"] == 0.3
+    assert d["preemptions_delta"] == 3
+    assert d["queue_ms_mean"] == 50.0  # 0.5 s over 10 requests
+    assert series(samples, "decode")["retained_share"] == [0.1, 0.5]
+
+
+def _rec(turn: int, ttft: float | None, tpot: float | None = 0.02, **kw: Any) -> TurnRecord:
+    return TurnRecord(conversation=0, turn=turn, sent_s=0.0, ttft_s=ttft, tpot_s=tpot, **kw)
+
+
+def test_step_summary_counts_goodput_hits_and_slo() -> None:
+    records = [
+        _rec(0, 0.5),
+        _rec(1, 0.2, reuse="hit"),
+        _rec(2, 0.3, reuse="local"),
+        _rec(3, 2.0, reuse="miss"),  # too slow: not good, and not a hit
+        _rec(1, 0.4, tpot=0.09, reuse="expired"),  # TPOT over the bound
+    ]
+    s = summarize_step(StepRun(records=records, wall_s=2.0, peak_active=2), slo=SLO())
+    assert s["turns_ok"] == 5 and s["turns_good"] == 3
+    assert s["goodput_turns_s"] == 1.5 and s["turns_s"] == 2.5
+    assert s["eligible_turns"] == 4 and s["hit_rate"] == 0.5
+    assert s["reuse_counts"] == {"hit": 1, "local": 1, "miss": 1, "expired": 1}
+    assert s["slo_ok"] is False  # TTFT p90 is past 1 s
+    fast = [_rec(0, 0.1), _rec(1, 0.2, reuse="hit")]
+    assert summarize_step(StepRun(records=fast, wall_s=1.0, peak_active=1), slo=SLO())["slo_ok"] is True
+
+
+def test_a_cut_or_failed_turn_fails_the_step_and_a_plain_server_hits_on_cached_tokens() -> None:
+    records = [
+        _rec(0, 0.1, prompt_tokens=100),
+        _rec(1, 0.1, prompt_tokens=200, cached_tokens=96),
+        _rec(1, None, cut=True),
+    ]
+    s = summarize_step(StepRun(records=records, wall_s=1.0, peak_active=1), slo=SLO())
+    assert s["cut"] == 1 and s["slo_ok"] is False
+    assert s["hit_rate"] == 1.0 and s["cached_token_share"] == 0.48
+    failed = [_rec(0, 0.1), _rec(1, None, error="http 503")]
+    assert summarize_step(StepRun(records=failed, wall_s=1.0, peak_active=1), slo=SLO())["errors"] == {
+        "http 503": 1
+    }
+
+
+def test_knee_is_the_highest_rate_that_met_the_slo() -> None:
+    def step(rate: float, ok: bool, goodput: float) -> dict[str, Any]:
+        return {"rate": rate, "summary": {"slo_ok": ok, "goodput_turns_s": goodput, "hit_rate": 0.95}}
+
+    assert knee([step(0.5, True, 2.0), step(1, True, 3.9), step(2, False, 4.5)]) == {
+        "rate": 1,
+        "goodput_turns_s": 3.9,
+        "hit_rate": 0.95,
+    }
+    assert knee([step(0.5, False, 1.0), {"rate": 1, "skipped": "budget"}])["goodput_turns_s"] == 0.0
+
+
+def test_generated_plans_are_seeded_poisson_with_capped_lognormal_gaps() -> None:
+    kw: dict[str, Any] = dict(
+        rate=2.0,
+        window_s=100.0,
+        contexts=[1000, 2000],
+        turns=3,
+        suffix=64,
+        output_tokens=8,
+        gap_median_s=2.0,
+        gap_sigma=1.0,
+        max_gap_s=5.0,
+    )
+    plans = generate_plans(seed=1, **kw)
+    assert plans == generate_plans(seed=1, **kw) != generate_plans(seed=2, **kw)
+    assert 150 < len(plans) < 250  # ~2/s over 100 s
+    assert all(p.arrival_s < 100 for p in plans)
+    assert all(p.turns[0].new_tokens in (1000, 2000) and p.turns[0].gap_s == 0 for p in plans)
+    gaps = [t.gap_s for p in plans for t in p.turns[1:]]
+    assert max(gaps) == 5.0 and 1.0 < sorted(gaps)[len(gaps) // 2] < 3.0
+
+
+def test_trace_plans_grow_conversations_and_time_scale_arrivals() -> None:
+    def req(i: int, t: float, n: int, out: int = 10) -> Request:
+        return Request(index=i, timestamp_s=t, input_length=n, output_length=out, hash_ids=())
+
+    convs = [
+        Conversation(index=0, requests=[req(0, 0.0, 1000), req(2, 4.0, 1500), req(3, 9.0, 9000)]),
+        Conversation(index=1, requests=[req(1, 10.0, 600, out=500)]),
+    ]
+    plans = trace_plans(
+        convs, rate=1.0, window_s=60, max_tokens=4096, max_output=32, gap_scale=0.5, max_gap_s=60
+    )
+    # The trace's arrivals are 10 s apart; at 1 conversation/s they are 1 s apart.
+    assert [p.arrival_s for p in plans] == [0.0, 1.0]
+    first = plans[0].turns
+    assert [(t.new_tokens, t.output_tokens, t.gap_s) for t in first] == [(1000, 10, 0.0), (490, 10, 2.0)]
+    assert plans[1].turns[0].output_tokens == 32  # capped; the 9000-token request was cut
+
+
+def test_groups_share_engines_between_on_and_exact() -> None:
+    assert groups(["off", "on", "exact", "agg"]) == [
+        ("off", ["off"]),
+        ("reuse", ["on", "exact"]),
+        ("agg", ["agg"]),
+    ]
+    with pytest.raises(ValueError, match="unknown leg"):
+        groups(["of"])
+
+
+def test_limits_name_what_ran_out() -> None:
+    summary = {"reuse_counts": {"expired": 2}, "tpot_ms": {"p90": 80.0}, "start_delay_ms_max": 0}
+    engines = {
+        "decode": {
+            "kv_usage_max": 0.97,
+            "retained_share_max": 0.6,
+            "not_retained_delta": 4,
+            "queue_ms_mean": 5,
+        },
+        "prefill": {"preemptions_delta": 0, "queue_ms_mean": 400.0},
+    }
+    assert limits(summary, engines, SLO()) == [
+        "decode KV full (peak 97%, retained up to 60%)",
+        "retention cap declined 4 finished turns",
+        "leases expired before 2 turns",
+        "prefill queue (mean 400 ms per request)",
+        "decode step time (TPOT p90 80 ms)",
+    ]
+    assert limits({"tpot_ms": {"p90": 10.0}}, {"decode": {"kv_usage_max": 0.5}}, SLO()) == []
+
+
+def test_targets_compare_knees_and_count_errors() -> None:
+    def leg(goodput: float, hit: float | None, errors: int = 0) -> dict[str, Any]:
+        steps = [{"summary": {"errors": {"http 503": errors} if errors else {}}}]
+        return {"knee": {"goodput_turns_s": goodput, "hit_rate": hit}, "steps": steps}
+
+    t = targets({"off": leg(1.0, None), "on": leg(2.5, 0.93), "agg": leg(3.0, 0.99, errors=1)})
+    assert t["on_vs_off_goodput"] == 2.5 and t["on_vs_off_met"] is True
+    assert t["on_vs_agg_goodput"] == 0.833 and t["on_vs_agg_met"] is False
+    assert t["errors"] == 1 and t["errors_met"] is False
+    assert t["on_hit_rate_met"] is True
+    assert "exact_vs_off_goodput" in t and t["exact_vs_off_goodput"] is None
+
+
+def _short_plans(**kw: Any) -> list[Any]:
+    """Sub-second plans for the driver tests: tiny contexts, gaps of tens of milliseconds."""
+    return generate_plans(contexts=[100], suffix=10, gap_sigma=0.1, max_gap_s=0.1, **kw)
+
+
+async def _drive(plans: list[Any], transport: httpx.AsyncBaseTransport, **kw: Any) -> StepRun:
+    return await run_step(
+        plans, url="http://r.test", model="m", text=lambda c, n: "w " * n, tag="t", transport=transport, **kw
+    )
+
+
+def _sse(tokens: int, reuse: str) -> httpx.Response:
+    chunks = [{"choices": [{"delta": {"content": f"t{i} "}}]} for i in range(tokens)]
+    chunks.append({"choices": [], "usage": {"prompt_tokens": 50, "completion_tokens": tokens}})
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    return httpx.Response(
+        200, text=body, headers={"x-agentkv-reuse": reuse, "content-type": "text/event-stream"}
+    )
+
+
+async def test_run_step_drives_turns_heartbeats_and_closes_conversations() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.method, request.url.path))
+        if request.url.path == "/v1/chat/completions":
+            body = json.loads(request.content)
+            return _sse(body["max_tokens"], "miss" if len(body["messages"]) == 1 else "hit")
+        return httpx.Response(200, json={})
+
+    plans = _short_plans(rate=20.0, window_s=0.2, turns=3, output_tokens=4, gap_median_s=0.05, seed=3)
+    run = await _drive(plans, httpx.MockTransport(handler), router=True, heartbeat_s=0.01, drain_s=5)
+    assert len(run.records) == 3 * len(plans) and all(r.ok for r in run.records)
+    assert all(r.output_tokens == 4 and r.tpot_s is not None for r in run.records)
+    assert {r.reuse for r in run.records if r.turn > 0} == {"hit"}
+    assert sum(1 for m, p in seen if m == "DELETE") == len(plans)
+    assert any(p.endswith("/heartbeat") for _, p in seen)
+
+
+async def test_run_step_cuts_what_is_still_running_at_the_drain_deadline() -> None:
+    import asyncio
+
+    class Slow(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/v1/chat/completions":
+                await asyncio.sleep(10)
+            return httpx.Response(200, json={})
+
+    plans = _short_plans(rate=50.0, window_s=0.05, turns=2, output_tokens=2, gap_median_s=0.01, seed=1)
+    run = await _drive(plans, Slow(), router=False, drain_s=0.2)
+    assert run.records and all(r.cut and r.error is None for r in run.records)
+    assert run.wall_s < 2
+
+
+def test_router_settings_per_leg() -> None:
+    assert router_settings("off", "auto", []) == {"reuse": False, "exact": True, "path_policy": "auto"}
+    assert router_settings("floor", "auto", [])["reuse"] is False
+    assert router_settings("on", "auto", []) == {"reuse": True, "exact": False, "path_policy": "auto"}
+    assert router_settings("exact", "always-pd", ["decode_load_cap=256"]) == {
+        "reuse": True,
+        "exact": True,
+        "path_policy": "always-pd",
+        "decode_load_cap": "256",
+    }
+    with pytest.raises(ValueError):
+        router_settings("agg", "auto", [])
