@@ -386,15 +386,20 @@ def summarize_step(run: StepRun, *, slo: SLO) -> dict[str, Any]:
 def knee(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The leg's knee: its highest offered rate whose step met the SLO, and the goodput there.
 
-    A leg none of whose steps met the SLO has no knee (goodput 0): its lowest rate was already past it."""
+    A leg none of whose steps met the SLO has no knee (goodput 0): its lowest rate was already past it.
+    ``reached`` is False when the highest rate that ran still met the SLO."""
     met = [s for s in steps if s.get("summary", {}).get("slo_ok")]
     if not met:
-        return {"rate": None, "goodput_turns_s": 0.0, "hit_rate": None}
+        return {"rate": None, "goodput_turns_s": 0.0, "hit_rate": None, "reached": True}
     best = max(met, key=lambda s: s["rate"])
+    # Only a higher rate that missed the SLO shows the knee is here; otherwise the leg's goodput is only a
+    # lower bound (the sweep stopped below the knee).
+    reached = any("summary" in s and not s["summary"]["slo_ok"] and s["rate"] > best["rate"] for s in steps)
     return {
         "rate": best["rate"],
         "goodput_turns_s": best["summary"]["goodput_turns_s"],
         "hit_rate": best["summary"]["hit_rate"],
+        "reached": reached,
     }
 
 

@@ -124,8 +124,13 @@ def test_knee_is_the_highest_rate_that_met_the_slo() -> None:
         "rate": 1,
         "goodput_turns_s": 3.9,
         "hit_rate": 0.95,
+        "reached": True,
     }
     assert knee([step(0.5, False, 1.0), {"rate": 1, "skipped": "budget"}])["goodput_turns_s"] == 0.0
+    # Every rate that ran met the SLO: the knee lies beyond the sweep.
+    assert (
+        knee([step(0.5, True, 2.0), step(1, True, 3.9), {"rate": 2, "skipped": "budget"}])["reached"] is False
+    )
 
 
 def test_generated_plans_are_seeded_poisson_with_capped_lognormal_gaps() -> None:
@@ -208,6 +213,7 @@ def test_targets_compare_knees_and_count_errors() -> None:
     assert t["on_vs_agg_goodput"] == 0.833 and t["on_vs_agg_met"] is False
     assert t["errors"] == 1 and t["errors_met"] is False
     assert t["on_hit_rate_met"] is True
+    assert t["knees_reached"] == {"off": False, "on": False, "agg": False}
     assert "exact_vs_off_goodput" in t and t["exact_vs_off_goodput"] is None
 
 
