@@ -8,44 +8,22 @@ reuse OFF (prefill recomputes every turn) then ON. Prints one row per model call
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
-from agentkv._exceptions import EngineStartError
-from agentkv.server._launcher import kill_group, tail
+from agentkv.server._launcher import start_router
 
 __all__ = ["run_demo"]
 
 ON_PORT, OFF_PORT = 8000, 8001
 
 
-def _start_off_router(cluster: Any, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(OFF_PORT), "--no-reuse"]
-    argv += [a for e in cluster.prefills for a in ("--prefill", e.spec.url)]
-    argv += [a for e in cluster.decodes for a in ("--decode", e.spec.url)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    for _ in range(200):
-        try:
-            if httpx.get(f"http://127.0.0.1:{OFF_PORT}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    kill_group(proc.pid)
-    raise EngineStartError("reuse-OFF router did not start", log_tail=tail(log))
-
-
 def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) -> dict[str, Any]:
-    from agentkv.cli import ensure_tiny_model
     from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import tiny_serving
+    from agentkv.server._model import ensure_tiny_model, tiny_serving
     from agentkv.session import run_research_agent
 
     model = ensure_tiny_model()
@@ -61,7 +39,13 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
     with console.status("starting prefill, decode and the router (1-3 minutes on 2 CPU cores) ...") as status:
         cluster.up(on_tick=lambda name, t: status.update(f"starting engines ... {name} {t:.0f}s"))
     console.print(f"cluster ready in {time.monotonic() - t0:.0f}s: router at {cfg.router_url}/v1")
-    off = _start_off_router(cluster, cfg.log_dir / "router-off.log")
+    off = start_router(
+        port=OFF_PORT,
+        prefill=[e.spec.url for e in cluster.prefills],
+        decode=[e.spec.url for e in cluster.decodes],
+        log=cfg.log_dir / "router-off.log",
+        args=["--no-reuse"],
+    )
     rows: list[dict[str, Any]] = []
     try:
         for leg, port in (("OFF", OFF_PORT), ("ON", ON_PORT)):
@@ -92,7 +76,7 @@ def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) ->
                         }
                     )
     finally:
-        kill_group(off.pid)
+        off.stop()
         if not keep:
             cluster.down()
         else:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
+from agentkv.server._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
 
 app = typer.Typer(
     help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
@@ -24,24 +25,11 @@ model_app = typer.Typer(help="Make models for tests and demos (no downloads need
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
-DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
-
 
 def _fail(exc: AgentKVError, *, code: int = 1) -> NoReturn:
     # Escaped: a message quotes paths and values, and rich would read "[...]" in them as markup.
     console.print(f"[bold red]error:[/] {escape(str(exc))}")
     raise typer.Exit(code)
-
-
-def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
-    """The default model: built on first use (~15 s), reused afterwards."""
-    if (path / "config.json").exists():
-        return path
-    from agentkv.server._model import TinyModelSpec, make_tiny_model
-
-    with console.status(f"building the tiny model in {path} ..."):
-        make_tiny_model(path, spec=TinyModelSpec(seed=seed))
-    return path
 
 
 @model_app.command("tiny")
@@ -50,8 +38,6 @@ def model_tiny(
     seed: Annotated[int, typer.Option(help="Same seed, same weights and tokenizer.")] = 0,
 ) -> None:
     """Build a tiny Qwen3-architecture model with random weights and a locally trained tokenizer."""
-    from agentkv.server._model import TinyModelSpec, make_tiny_model
-
     try:
         with console.status("training tokenizer and writing weights ..."):
             path = make_tiny_model(out_dir, spec=TinyModelSpec(seed=seed))
