@@ -10,15 +10,16 @@ longest shared prefix wins, then the most recent request.
 
 from __future__ import annotations
 
+import gzip
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["DEFAULT_TRACE", "Conversation", "Request", "group_conversations", "load_trace", "turn_histogram"]
 
-DEFAULT_TRACE = Path(os.environ.get("AGENTKV_TRACE", "/work/shared/traces/mooncake_synthetic_trace.jsonl"))
+# Mooncake's FAST'25 synthetic trace (Apache-2.0), shipped gzipped beside the benches: bench/data/README.md.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +43,7 @@ class Conversation:
 
 def load_trace(path: Path = DEFAULT_TRACE, *, limit: int | None = None) -> list[Request]:
     requests = []
-    with path.open() as lines:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
         for index, line in enumerate(lines):
             if limit is not None and index >= limit:
                 break
