@@ -145,7 +145,7 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
 
 
 # Full CUDA graphs of decode batches without torch.compile (mode 0): no compiler needed on the host, ~5 s of
-# capture at start. Measured on the H200 sweep (Qwen3-8B shape, 2026-12-01, bench/results/
+# capture at start. Measured on the H200 sweep (Qwen3-8B shape, bench/results/
 # multiturn_sweep_gpu_graphs vs multiturn_sweep_gpu): decode's engine TTFT fell from 104-149 ms to 57-90 ms
 # on the published turns at 16-24k, and TTFT with reuse at 24k tokens from 627 to 588 ms.
 GPU_DECODE_GRAPHS = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
