@@ -3,7 +3,7 @@
 The trace has no conversation ids: each request lists ``hash_ids``, one id per 512-token prefix block,
 chained (an id never appears at two positions, so an equal id means an equal prefix up to that block).
 A request continues an earlier request ``q`` when it shares all of ``q``'s blocks, or all but ``q``'s last
-(partial, hence unhashed-equal) block: the trace README's "extend fully" and "all but its last" cases.
+(partial, hence unhashed-equal) block: bench/data/README.md's "extend fully" and "all but its last" cases.
 Requests that share less (a common system prompt) start a new conversation. Among several candidates the
 longest shared prefix wins, then the most recent request.
 """
