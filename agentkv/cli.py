@@ -26,6 +26,16 @@ app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
 
+# A table printed to a pipe or a file keeps its full rows: rich would cut it at 80 columns (URLs as "http://12…").
+_UNCUT_WIDTH = 1000
+
+
+def _stdout() -> Console:
+    """Where results go: stdout at the terminal's width, or uncut when stdout is a pipe or a file."""
+    out = Console()
+    return out if out.is_terminal else Console(width=_UNCUT_WIDTH)
+
+
 def _fail(exc: AgentKVError, *, code: int = 1) -> NoReturn:
     # Escaped: a message quotes paths and values, and rich would read "[...]" in them as markup.
     console.print(f"[bold red]error:[/] {escape(str(exc))}")
@@ -172,11 +182,12 @@ def _print_cluster(info: dict[str, Any]) -> None:
         table.add_row(
             e["name"], e["role"], e["url"], str(e["service"]), str(e["pid"]), str(e["ready_s"]), e["log"]
         )
-    Console().print(table)
+    out = _stdout()
+    out.print(table)
     for w in info.get("warm_ups") or []:
-        Console().print(_warm_up_line(w))
+        out.print(_warm_up_line(w))
     if info["router"]:
-        Console().print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
+        out.print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
 
 
 def _warm_up_line(w: dict[str, Any]) -> str:
@@ -286,7 +297,7 @@ def demo(
     from agentkv._demo import run_demo
 
     try:
-        result = run_demo(turns=turns, conversations=conversations, keep=keep, console=Console())
+        result = run_demo(turns=turns, conversations=conversations, keep=keep, console=_stdout())
     except AgentKVError as exc:
         _fail(exc)
     if json_out is not None:
