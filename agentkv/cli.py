@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
+from agentkv.server._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
 
 app = typer.Typer(
     help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
@@ -24,7 +25,15 @@ model_app = typer.Typer(help="Make models for tests and demos (no downloads need
 app.add_typer(model_app, name="model")
 console = Console(stderr=True)
 
-DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
+
+# A table printed to a pipe or a file keeps its full rows: rich would cut it at 80 columns (URLs as "http://12…").
+_UNCUT_WIDTH = 1000
+
+
+def _stdout() -> Console:
+    """Where results go: stdout at the terminal's width, or uncut when stdout is a pipe or a file."""
+    out = Console()
+    return out if out.is_terminal else Console(width=_UNCUT_WIDTH)
 
 
 def _fail(exc: AgentKVError, *, code: int = 1) -> NoReturn:
@@ -33,25 +42,12 @@ def _fail(exc: AgentKVError, *, code: int = 1) -> NoReturn:
     raise typer.Exit(code)
 
 
-def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
-    """The default model: built on first use (~15 s), reused afterwards."""
-    if (path / "config.json").exists():
-        return path
-    from agentkv.server._model import TinyModelSpec, make_tiny_model
-
-    with console.status(f"building the tiny model in {path} ..."):
-        make_tiny_model(path, spec=TinyModelSpec(seed=seed))
-    return path
-
-
 @model_app.command("tiny")
 def model_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the model to.")],
     seed: Annotated[int, typer.Option(help="Same seed, same weights and tokenizer.")] = 0,
 ) -> None:
     """Build a tiny Qwen3-architecture model with random weights and a locally trained tokenizer."""
-    from agentkv.server._model import TinyModelSpec, make_tiny_model
-
     try:
         with console.status("training tokenizer and writing weights ..."):
             path = make_tiny_model(out_dir, spec=TinyModelSpec(seed=seed))
@@ -186,11 +182,12 @@ def _print_cluster(info: dict[str, Any]) -> None:
         table.add_row(
             e["name"], e["role"], e["url"], str(e["service"]), str(e["pid"]), str(e["ready_s"]), e["log"]
         )
-    Console().print(table)
+    out = _stdout()
+    out.print(table)
     for w in info.get("warm_ups") or []:
-        Console().print(_warm_up_line(w))
+        out.print(_warm_up_line(w))
     if info["router"]:
-        Console().print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
+        out.print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
 
 
 def _warm_up_line(w: dict[str, Any]) -> str:
@@ -300,7 +297,7 @@ def demo(
     from agentkv._demo import run_demo
 
     try:
-        result = run_demo(turns=turns, conversations=conversations, keep=keep, console=Console())
+        result = run_demo(turns=turns, conversations=conversations, keep=keep, console=_stdout())
     except AgentKVError as exc:
         _fail(exc)
     if json_out is not None:

@@ -1,4 +1,4 @@
-"""Server subprocesses for benchmarks: free loopback ports, start-and-wait-healthy, stop, CPU/RSS sampling.
+"""Server subprocesses for benchmarks: start-and-wait-healthy, stop, CPU/RSS sampling.
 
 Every server a benchmark starts is its own process (so the load generator never shares a core's event
 loop with what it measures) and is stopped by its own pid, never by name.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,51 +19,17 @@ from pathlib import Path
 
 import httpx
 
-from agentkv._constants import LEASE_PORT_OFFSET
-from agentkv._exceptions import EngineStartError, PortInUseError
+from agentkv._exceptions import EngineStartError
 
 __all__ = [
     "ProcessSampler",
     "ServerProcess",
     "exit_on_sigterm",
-    "free_port",
-    "free_port_with_lease",
     "parse_cpus",
     "read_process",
     "running",
     "stub_command",
 ]
-
-_MIN_PORT = 20000  # never bind below this (shared machine rule)
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port() -> int:
-    """A free loopback port >= 20000 (the kernel's ephemeral range is above that here, but check)."""
-    for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port >= _MIN_PORT:
-            return port
-    raise PortInUseError("no free loopback port >= 20000")
-
-
-def free_port_with_lease() -> int:
-    """A free port p such that p + LEASE_PORT_OFFSET is free too (decode HTTP + retention service)."""
-    for _ in range(200):
-        port = free_port()
-        if port + LEASE_PORT_OFFSET < 65536 and _port_is_free(port + LEASE_PORT_OFFSET):
-            return port
-    raise PortInUseError("no free port pair for a decode stub and its retention service")
 
 
 def parse_cpus(text: str | None) -> frozenset[int] | None:

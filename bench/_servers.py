@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from agentkv.server._launcher import router_command
 from bench._procs import ServerProcess
 from bench._upstream import proxy_command
 
@@ -15,20 +16,17 @@ __all__ = ["agentkv_available", "proxy_server", "router_server"]
 def router_server(
     *, port: int, prefill_url: str, decode_url: str, log_dir: Path, **settings: Any
 ) -> ServerProcess:
-    """Our router as a subprocess, configured through its AGENTKV_* environment (pydantic-settings)."""
+    """``agentkv router`` (the package's command line) as a bench subprocess, whose CPU and memory a bench can
+    sample; ``settings`` reach it as AGENTKV_* environment variables (pydantic-settings)."""
     env = {
-        "AGENTKV_HOST": "127.0.0.1",
-        "AGENTKV_PORT": str(port),
-        "AGENTKV_PREFILL": prefill_url,
-        "AGENTKV_DECODE": decode_url,
         "AGENTKV_LOG_LEVEL": "warning",
         "AGENTKV_HEALTH_INTERVAL_S": "1.0",
         **{f"AGENTKV_{key.upper()}": str(value) for key, value in settings.items()},
     }
-    code = "from agentkv.server.router import RouterSettings, run_router; run_router(RouterSettings())"
+    command = router_command(prefill=[prefill_url], decode=[decode_url], host="127.0.0.1", port=port)
     return ServerProcess(
         name="agentkv-router",
-        command=[sys.executable, "-c", code],
+        command=command,
         health_url=f"http://127.0.0.1:{port}/health",
         log_dir=log_dir,
         env=env,

@@ -3,22 +3,23 @@
 The trace has no conversation ids: each request lists ``hash_ids``, one id per 512-token prefix block,
 chained (an id never appears at two positions, so an equal id means an equal prefix up to that block).
 A request continues an earlier request ``q`` when it shares all of ``q``'s blocks, or all but ``q``'s last
-(partial, hence unhashed-equal) block: the trace README's "extend fully" and "all but its last" cases.
+(partial, hence unhashed-equal) block: bench/data/README.md's "extend fully" and "all but its last" cases.
 Requests that share less (a common system prompt) start a new conversation. Among several candidates the
 longest shared prefix wins, then the most recent request.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["DEFAULT_TRACE", "Conversation", "Request", "group_conversations", "load_trace", "turn_histogram"]
 
-DEFAULT_TRACE = Path(os.environ.get("AGENTKV_TRACE", "/work/shared/traces/mooncake_synthetic_trace.jsonl"))
+# Mooncake's FAST'25 synthetic trace (Apache-2.0), shipped gzipped beside the benches: bench/data/README.md.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl.gz"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +43,7 @@ class Conversation:
 
 def load_trace(path: Path = DEFAULT_TRACE, *, limit: int | None = None) -> list[Request]:
     requests = []
-    with path.open() as lines:
+    with gzip.open(path, "rt") if path.suffix == ".gz" else path.open() as lines:
         for index, line in enumerate(lines):
             if limit is not None and index >= limit:
                 break

@@ -213,7 +213,8 @@ class _Deployment:
         self.router: Any = None
 
     def up(self) -> float:
-        from bench._procs import free_port, free_port_with_lease
+        from agentkv._constants import LEASE_PORT_OFFSET
+        from agentkv.server._launcher import free_port
 
         args = self.args
         env = dict(e.split("=", 1) for e in args.env or [])
@@ -261,8 +262,8 @@ class _Deployment:
                 log_dir=log_dir,
                 extra_args=list(args.engine_arg or []),
                 env=env,
-                prefill_port=free_port_with_lease(),
-                decode_port=free_port_with_lease(),
+                prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
+                decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )
             self.cluster = Cluster(config=config)
             self.cluster.up()
@@ -276,7 +277,7 @@ class _Deployment:
         """The URL clients talk to in ``leg``: a fresh router for P/D legs, the server itself for ``agg``."""
         if self.engine is not None:
             return str(self.engine.spec.url)
-        from bench._procs import free_port
+        from agentkv.server._launcher import free_port
         from bench._servers import router_server
 
         settings = router_settings(leg, self.args.path_policy, self.args.router_setting or [])
@@ -469,7 +470,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
         args.device = detect_device()
     if args.device == "cpu":
-        from agentkv.cli import ensure_tiny_model
+        from agentkv.server._model import ensure_tiny_model
 
         ensure_tiny_model(Path(args.model))
     out = Path(args.out or f"bench/results/{NAME}_{args.device}")

@@ -18,6 +18,8 @@ import bisect
 from pathlib import Path
 from typing import Any
 
+from agentkv._constants import LEASE_PORT_OFFSET
+from agentkv.server._launcher import free_port
 from bench._common import (
     command_line,
     console,
@@ -33,8 +35,6 @@ from bench._procs import (
     ProcessSampler,
     ServerProcess,
     exit_on_sigterm,
-    free_port,
-    free_port_with_lease,
     running,
     stub_command,
 )
@@ -45,7 +45,7 @@ NAME = "load"
 
 def _stack(args: argparse.Namespace, logs: Path) -> tuple[list[ServerProcess], str, ServerProcess]:
     """Stub prefill + stub decode (with retention service) + our router; returns (servers, url, router)."""
-    prefill_port, decode_port, router_port = free_port(), free_port_with_lease(), free_port()
+    prefill_port, decode_port, router_port = free_port(), free_port(offsets=[LEASE_PORT_OFFSET]), free_port()
     stub_args = ("--output-tokens", str(args.max_tokens), "--token-ms", str(args.stub_token_ms))
     prefill = ServerProcess(
         name="stub-prefill",

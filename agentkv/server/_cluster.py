@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 import tomllib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -26,8 +23,16 @@ from agentkv._constants import (
     DEFAULT_ROUTER_PORT,
     LEASE_PORT_OFFSET,
 )
-from agentkv._exceptions import ConfigError, EngineStartError
-from agentkv.server._launcher import Device, Engine, EngineSpec, detect_device, kill_group, port_in_use, tail
+from agentkv._exceptions import ConfigError
+from agentkv.server._launcher import (
+    Device,
+    Engine,
+    EngineSpec,
+    RouterProcess,
+    detect_device,
+    kill_group,
+    start_router,
+)
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -178,7 +183,7 @@ class Cluster:
     def __init__(self, *, config: ClusterConfig) -> None:
         self.config = config
         self.engines = [Engine(spec=spec, name=name) for name, spec in config.specs()]
-        self.router: subprocess.Popen[bytes] | None = None
+        self.router: RouterProcess | None = None
         self.start_seconds: dict[str, float] = {}
         self.warm_ups: list[WarmUpReport] = []
 
@@ -227,51 +232,18 @@ class Cluster:
     def _start_router(self) -> None:
         cfg = self.config
         assert cfg.router_port is not None
-        if port_in_use(cfg.host, cfg.router_port):
-            raise EngineStartError(f"router port {cfg.router_port} is already in use")
-        argv = [
-            sys.executable,
-            "-m",
-            "agentkv.cli",
-            "router",
-            "--host",
-            cfg.host,
-            "--port",
-            str(cfg.router_port),
-        ]
-        for e in self.prefills:
-            argv += ["--prefill", e.spec.url]
-        for e in self.decodes:
-            argv += ["--decode", e.spec.url]
-        log_path = cfg.log_dir / "router.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(log_path, "wb") as log:
-            self.router = subprocess.Popen(
-                argv,
-                env={**os.environ, **cfg.router_env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
-        import httpx
-
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.router.poll() is not None:
-                raise EngineStartError("router died during start", log_tail=tail(log_path))
-            try:
-                if httpx.get(f"{cfg.router_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise EngineStartError("router not healthy after 60s", log_tail=tail(log_path))
+        self.router = start_router(
+            host=cfg.host,
+            port=cfg.router_port,
+            prefill=[e.spec.url for e in self.prefills],
+            decode=[e.spec.url for e in self.decodes],
+            log=cfg.log_dir / "router.log",
+            env=cfg.router_env,
+        )
 
     def stop_router(self) -> None:
         if self.router is not None:
-            kill_group(self.router.pid, timeout_s=10)
-            self.router.wait(timeout=5)
+            self.router.stop()
             self.router = None
 
     def down(self) -> None:

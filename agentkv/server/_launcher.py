@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +27,19 @@ import httpx
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
 
-__all__ = ["Engine", "EngineSpec", "build_command", "detect_device", "kill_group", "port_in_use", "tail"]
+__all__ = [
+    "Engine",
+    "EngineSpec",
+    "RouterProcess",
+    "build_command",
+    "detect_device",
+    "free_port",
+    "kill_group",
+    "port_in_use",
+    "router_command",
+    "start_router",
+    "tail",
+]
 
 Role = Literal["prefill", "decode", "single"]
 Device = Literal["cpu", "gpu"]
@@ -133,7 +145,7 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
 
 
 # Full CUDA graphs of decode batches without torch.compile (mode 0): no compiler needed on the host, ~5 s of
-# capture at start. Measured on the H200 sweep (Qwen3-8B shape, 2026-12-01, bench/results/
+# capture at start. Measured on the H200 sweep (Qwen3-8B shape, bench/results/
 # multiturn_sweep_gpu_graphs vs multiturn_sweep_gpu): decode's engine TTFT fell from 104-149 ms to 57-90 ms
 # on the published turns at 16-24k, and TTFT with reuse at 24k tokens from 627 to 588 ms.
 GPU_DECODE_GRAPHS = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
@@ -222,6 +234,38 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+# Linux's default ip_local_port_range starts here: a port below it is never taken by an outgoing connection
+# between our check and the server's bind.
+_EPHEMERAL_START = 32768
+_MIN_PORT = 20000  # never hand out a port below this: the lower ranges are for fixed, configured servers
+
+
+def free_port(start: int | None = None, *, host: str = "127.0.0.1", offsets: Sequence[int] = ()) -> int:
+    """A free TCP port on ``host`` whose ``port + offset`` is free too for every offset in ``offsets``.
+
+    With ``start``: the first such port from ``start`` up, below the kernel's ephemeral range; the same port
+    again until something binds it, so callers that start several servers give each its own ``start``.
+    Without: a port the kernel picks (a different one each call), at or above 20000.
+    """
+
+    def fits(port: int) -> bool:
+        wanted = [port, *(port + offset for offset in offsets)]
+        return all(p < 65536 for p in wanted) and not any(port_in_use(host, p) for p in wanted)
+
+    if start is not None:
+        for port in range(start, _EPHEMERAL_START):
+            if fits(port):
+                return port
+        raise PortInUseError(f"no free port on {host} in {start}-{_EPHEMERAL_START - 1}")
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port >= _MIN_PORT and fits(port):
+            return port
+    raise PortInUseError(f"no free port on {host} at or above {_MIN_PORT}")
 
 
 def tail(path: Path | None, lines: int = 40) -> str:
@@ -351,3 +395,73 @@ def kill_group(pid: int, *, timeout_s: float = 20) -> None:
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
+
+
+def router_command(
+    *, prefill: Sequence[str], decode: Sequence[str], host: str, port: int, args: Sequence[str] = ()
+) -> list[str]:
+    """argv of ``agentkv router`` in this interpreter; settings not given in ``args`` come from AGENTKV_*."""
+    argv = [sys.executable, "-m", "agentkv.cli", "router", "--host", host, "--port", str(port)]
+    argv += [a for url in prefill for a in ("--prefill", url)]
+    argv += [a for url in decode for a in ("--decode", url)]
+    return argv + list(args)
+
+
+@dataclass(kw_only=True)
+class RouterProcess:
+    """A router subprocess that ``start_router`` saw healthy; ``stop`` ends its process group."""
+
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, *, timeout_s: float = 10) -> None:
+        kill_group(self.proc.pid, timeout_s=timeout_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def start_router(
+    *,
+    port: int,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    log: Path,
+    host: str = "127.0.0.1",
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    ready_s: float = 60,
+) -> RouterProcess:
+    """Start ``agentkv router`` in its own process group, logging to ``log``, and wait until it is healthy.
+
+    ``env`` adds AGENTKV_* settings to this process's environment. Raises PortInUseError before starting
+    anything when ``port`` is taken, EngineStartError (with the log's tail) when the router dies or is not
+    healthy within ``ready_s``; it never leaves a router running when it raises.
+    """
+    if port_in_use(host, port):
+        raise PortInUseError(f"router port {port} on {host} is already in use")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            router_command(prefill=prefill, decode=decode, host=host, port=port, args=args),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+    router = RouterProcess(url=f"http://{host}:{port}", proc=proc, log=log)
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise EngineStartError(f"router on port {port} died during start", log_tail=tail(log))
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{router.url}/health", timeout=2).status_code == 200:
+                return router
+        time.sleep(0.3)
+    router.stop()
+    raise EngineStartError(f"router on port {port} not healthy after {ready_s:.0f}s", log_tail=tail(log))

@@ -18,7 +18,16 @@ from typing import Any
 
 from agentkv._exceptions import EngineNotInstalledError
 
-__all__ = ["CHAT_TEMPLATE", "TinyModelSpec", "make_tiny_model", "tiny_serving"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DEFAULT_MODEL_DIR",
+    "TinyModelSpec",
+    "ensure_tiny_model",
+    "make_tiny_model",
+    "tiny_serving",
+]
+
+DEFAULT_MODEL_DIR = Path(".agentkv/models/tiny")
 
 
 # How the engines serve the tiny model (ClusterConfig fields). Its chat template writes hermes <tool_call>
@@ -196,3 +205,14 @@ def make_tiny_model(out_dir: str | Path, *, spec: TinyModelSpec | None = None) -
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     (out / "agentkv_model.json").write_text(json.dumps({"seed": spec.seed, **vars(spec)}, indent=2))
     return out
+
+
+def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
+    """The default model: built on first use (~15 s, with a spinner on stderr), reused afterwards."""
+    if (path / "config.json").exists():
+        return path
+    from rich.console import Console
+
+    with Console(stderr=True).status(f"building the tiny model in {path} ..."):
+        make_tiny_model(path, spec=TinyModelSpec(seed=seed))
+    return path

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from agentkv._constants import SERVICE_TOKEN_ENV, service_headers
 from agentkv._wire import KV_KEY, decode_body, prefill_body
-from agentkv.server._launcher import kill_group, tail
+
+# The suites start routers and find ports with the package's own launcher; they import them from here.
+from agentkv.server._launcher import RouterProcess as RouterProc  # noqa: F401
+from agentkv.server._launcher import free_port, start_router  # noqa: F401
 
 MODEL = "tiny"
 # A client's patience for one request. Stock engines on 2 cores can take minutes per hop (see
@@ -49,77 +48,6 @@ def service_call(method: str, url: str, **kwargs: Any) -> httpx.Response:
 
 def service_info(service_url: str) -> dict[str, Any]:
     return service_call("GET", f"{service_url}/agentkv/v1/info").json()
-
-
-@dataclass
-class RouterProc:
-    url: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    def stop(self) -> None:
-        kill_group(self.proc.pid, timeout_s=10)
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(start: int) -> int:
-    """The first free port from ``start``, below the ephemeral range so nothing grabs it before we bind."""
-    for port in range(start, 32768):
-        if port_is_free(port):
-            return port
-    raise RuntimeError(f"no free port in {start}-32767")
-
-
-def start_router(
-    *,
-    port: int,
-    prefill: list[str],
-    decode: list[str],
-    log: Path,
-    args: list[str] = (),  # type: ignore[assignment]
-    ready_s: float = 60,
-    env: dict[str, str] | None = None,
-) -> RouterProc:
-    """A router subprocess, healthy within ``ready_s``; ``env`` adds AGENTKV_* settings to this process's."""
-    if not port_is_free(port):
-        raise RuntimeError(f"port {port} is taken before the router started (another test run still up?)")
-    argv = [sys.executable, "-m", "agentkv.cli", "router", "--port", str(port)]
-    for p in prefill:
-        argv += ["--prefill", p]
-    for d in decode:
-        argv += ["--decode", d]
-    argv += list(args)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"router died:\n{tail(log)}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return RouterProc(url, proc, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    kill_group(proc.pid)
-    raise RuntimeError(f"router not healthy:\n{tail(log)}")
 
 
 def token_ids(choice: dict[str, Any]) -> list[int]:

@@ -45,7 +45,7 @@ def service_token() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from agentkv.cli import ensure_tiny_model
+    from agentkv.server._model import ensure_tiny_model
 
     return ensure_tiny_model(Path(os.environ.get("AGENTKV_IT_MODEL", ".agentkv/models/tiny")))
 

@@ -247,7 +247,7 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
     finally:
         os.killpg(engine.pid, signal.SIGCONT)
     # Every router must see the thawed decode again before the next fault: a router that still counts it
-    # down when the other decode is killed has no decode left (seen once, 2026-12-01).
+    # down when the other decode is killed has no decode left (seen once).
     _wait_healthy_decodes([*replicas, off22], 2)
     t = chat(b.url, h, conversation_id=cid)
     assert t.ids == chat(off22.url, h).ids

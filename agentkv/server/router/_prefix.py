@@ -23,8 +23,10 @@ def canonical_message(msg: dict[str, Any]) -> dict[str, Any]:
     extra SDK fields), which must not count as an edit."""
     out: dict[str, Any] = {"role": msg.get("role"), "content": _content(msg.get("content"))}
     calls = msg.get("tool_calls")
-    if calls:
+    if isinstance(calls, list) and calls:
         out["tool_calls"] = [_canonical_call(c) for c in calls if isinstance(c, dict)]
+    elif calls:  # malformed (an engine rejects it on chat, ignores it on completions): compared as sent
+        out["tool_calls"] = calls
     for key in ("name", "tool_call_id"):
         if msg.get(key) is not None:
             out[key] = msg[key]

@@ -92,8 +92,6 @@ def test_on_the_trace_the_bounds_hit_what_the_fixed_pin_hits_for_fewer_block_sec
     from bench._retention_sim import bounds, script_scenario
     from bench._trace import DEFAULT_TRACE, group_conversations, load_trace
 
-    if not DEFAULT_TRACE.exists():
-        pytest.skip(f"trace not found at {DEFAULT_TRACE}")
     conversations = group_conversations(load_trace(DEFAULT_TRACE, limit=1200))
     scenario = Scenario(seed=1)
     scripts = script_scenario(conversations, scenario)

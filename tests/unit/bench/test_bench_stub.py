@@ -194,3 +194,12 @@ async def test_real_router_reuses_decode_kv_through_the_stub(stream: bool, dispa
     assert reuse[0] == "miss"
     assert reuse[1:] == ["hit", "hit"]
     assert prefill.state.counters["pulls"] == 2
+
+
+@pytest.mark.parametrize("messages", [["a string"], [3, None, {"role": "user", "content": "hi"}], "text", 7])
+def test_malformed_messages_do_not_crash_the_stub(messages: object) -> None:
+    """The router passes ``messages`` on /v1/completions through unvalidated (the engine ignores them);
+    a stub that crashed on them made the fuzz bench report the router's correct 502 as a router fault."""
+    from bench._fake_vllm import count_prompt_tokens
+
+    assert count_prompt_tokens({"prompt": "p", "messages": messages}, chars_per_token=4) >= 1

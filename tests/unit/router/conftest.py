@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentkv.server._launcher import free_port
 from agentkv.server.router import RouterSettings, create_app
 
 P_URLS = ["http://p0.test:8100", "http://p1.test:8100"]
@@ -307,12 +308,6 @@ def make_client(engines: FakeEngines) -> Callable[..., httpx.AsyncClient]:
 
 def store_of(client: httpx.AsyncClient) -> Any:
     return client.app.state.router.store  # type: ignore[attr-defined]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

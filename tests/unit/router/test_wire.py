@@ -160,3 +160,14 @@ def test_prompt_only_prefix_lets_the_last_answer_change() -> None:
     text = Prefix.of_turn({"prompt": "abc"}, {"content": "xyz"}, prompt_only=True)
     assert text is not None and text.matches({"prompt": "abc, then"})
     assert not text.matches({"prompt": "abc"}) and not text.matches({"prompt": "ab"})
+
+
+@pytest.mark.parametrize("calls", [3437696, "x", {"function": {}}, True])
+def test_malformed_tool_calls_are_compared_as_sent_not_a_crash(calls: object) -> None:
+    """/v1/completions does not validate ``messages`` (the engine ignores them there), so the prompt-size
+    estimate and the history guard meet any JSON value; ``python -m bench.fuzz`` found an int here."""
+    from agentkv.server.router._prefix import canonical_message, prompt_chars
+
+    message = {"role": "assistant", "tool_calls": calls}
+    assert canonical_message(message)["tool_calls"] == calls
+    assert prompt_chars({"prompt": "p", "messages": [message]}) > 0

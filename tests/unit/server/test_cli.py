@@ -196,3 +196,47 @@ def test_warm_up_of_an_unreachable_pair_is_one_clear_error() -> None:
     )
     assert result.exit_code == 1
     assert "warm-up prefill /v1/models" in flat(result.output) and "Traceback" not in result.output
+
+
+def test_up_prints_whole_rows_when_stdout_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentkv import cli
+
+    log = ".agentkv/logs/a-directory-name-long-enough-to-push-the-row-past-eighty-columns/decode0.log"
+    engine = {
+        "name": "decode0",
+        "role": "decode",
+        "url": "http://127.0.0.1:8200",
+        "service": "http://127.0.0.1:9200",
+        "pid": 4242,
+        "ready_s": 61.5,
+        "log": log,
+    }
+    cli._print_cluster({"engines": [engine], "router": "http://127.0.0.1:8000"})
+    rows = capsys.readouterr().out.splitlines()
+    row = next(line for line in rows if "decode0" in line)
+    for cell in ("http://127.0.0.1:8200", "http://127.0.0.1:9200", "4242", "61.5", log):
+        assert cell in row, row
+    assert "router (OpenAI API): http://127.0.0.1:8000/v1" in rows
+
+
+def test_demo_table_says_what_its_timings_measure(capsys: pytest.CaptureFixture[str]) -> None:
+    from agentkv import cli
+    from agentkv._demo import _print
+
+    row = {
+        "leg": "ON",
+        "conversation": 1,
+        "call": 2,
+        "prompt_tokens": 612,
+        "reused_tokens": 512,
+        "reuse": "hit",
+        "path": "pd",
+        "prefill_ms": 41.5,
+        "total_ms": 420.0,
+    }
+    _print([row], cli._stdout())
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "prefill ms" in line)
+    assert "call ms" in header and "ttft" not in header.lower()
+    assert "there is no TTFT" in flat(out) and "request to last token" in flat(out)
+    assert "41.5" in out and "420.0" in out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -19,15 +18,9 @@ import pytest
 
 from agentkv._exceptions import EngineError, EngineNotInstalledError, EngineStartError
 from agentkv.server import _launcher
-from agentkv.server._launcher import Engine, EngineSpec, kill_group
+from agentkv.server._launcher import Engine, EngineSpec, free_port, kill_group
 
 _real_find_spec = importlib.util.find_spec
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def pretend_vllm(monkeypatch: pytest.MonkeyPatch, *, installed: bool) -> list[str]:
