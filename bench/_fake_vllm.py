@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ __all__ = [
     "DECLINE_MARGIN_S",
     "Completion",
     "Retained",
+    "Scripted",
     "StubConfig",
     "StubState",
     "count_prompt_tokens",
@@ -76,6 +78,18 @@ class Retained:
 
 
 @dataclass(kw_only=True)
+class Scripted:
+    """An answer chosen by a test instead of the stub's own (`` t0 t1 ...``, or a call to the first tool)."""
+
+    text: str | None
+    tool_call: dict[str, Any] | None = None
+    finish_reason: str = "stop"
+    # Tokens decode holds beyond the prompt; a test sets it apart from the text, since an answer sent back
+    # as text may re-tokenize to other tokens than the ones decode generated.
+    held_beyond_prompt: int = 3
+
+
+@dataclass(kw_only=True)
 class Completion:
     """One generated answer, before it is rendered as JSON or SSE."""
 
@@ -89,15 +103,21 @@ class Completion:
     kv_transfer_params: dict[str, Any] | None
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    # Prompt tokens served from cache or pulled (vLLM's prompt_tokens_details.cached_tokens); None: not
+    # reported, as vLLM does without --enable-prompt-tokens-details.
+    cached_tokens: int | None = None
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = len(self.text_tokens) or (1 if self.tool_call else 0)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
     def body(self) -> dict[str, Any]:
         text = "".join(self.text_tokens)
@@ -134,7 +154,14 @@ class Completion:
         if self.chat:
             yield {**base, "choices": [_delta({"role": "assistant", "content": ""})]}
             if self.tool_call:
-                yield {**base, "choices": [_delta({"tool_calls": [{"index": 0, **self.tool_call}]})]}
+                # As vLLM streams a call: its id and name first, then the arguments in pieces.
+                call, args = self.tool_call, self.tool_call["function"]["arguments"]
+                name = {"name": call["function"]["name"]}
+                head = {"index": 0, "id": call["id"], "type": "function", "function": name}
+                yield {**base, "choices": [_delta({"tool_calls": [head]})]}
+                for part in (args[: len(args) // 2], args[len(args) // 2 :]):
+                    piece = {"index": 0, "function": {"arguments": part}}
+                    yield {**base, "choices": [_delta({"tool_calls": [piece]})]}
             for token in self.text_tokens:
                 yield {**base, "choices": [_delta({"content": token})]}
             last_choice = _delta({}, finish_reason=self.finish_reason)
@@ -163,10 +190,11 @@ def error_body(message: str, *, status: int, error_type: str = "BadRequestError"
 
 
 def _prompt_text(body: dict[str, Any]) -> str:
-    if isinstance(body.get("messages"), list):
+    messages = body.get("messages")
+    if isinstance(messages, list):  # a stray non-list field on /v1/completions is not a chat
         parts: list[str] = []
         # Malformed messages cost nothing here: the stub stands in for an engine's speed, not its validation.
-        for message in (m for m in body["messages"] if isinstance(m, dict)):
+        for message in (m for m in messages if isinstance(m, dict)):
             content = message.get("content")
             if isinstance(content, str):
                 parts.append(content)
@@ -181,6 +209,10 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 
 def count_prompt_tokens(body: dict[str, Any], *, chars_per_token: int) -> int:
+    # Token ids when the request carries them: tokens in (/inference/v1/generate), or forwarded to decode.
+    ids = body.get("token_ids") or (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+    if isinstance(ids, list) and ids:
+        return len(ids)
     return max(1, math.ceil(len(_prompt_text(body)) / chars_per_token))
 
 
@@ -205,7 +237,9 @@ class StubState:
         }
 
     # --- generation -----------------------------------------------------------------------------
-    def complete(self, body: dict[str, Any], *, chat: bool, external_id: str) -> Completion:
+    def complete(
+        self, body: dict[str, Any], *, chat: bool, external_id: str, scripted: Scripted | None = None
+    ) -> Completion:
         config = self.config
         self.counters["requests"] += 1
         prompt_tokens = count_prompt_tokens(body, chars_per_token=config.chars_per_token)
@@ -219,6 +253,12 @@ class StubState:
         if wants_tool and messages and messages[-1].get("role") == "user":
             tool_call = _tool_call(body["tools"][0], external_id)
             finish = "tool_calls"
+        text_tokens = [] if tool_call else [f" t{i}" for i in range(n_tokens)]
+        held = n_tokens - 1 if tool_call is None else 0  # the last sampled token is never computed
+        if scripted is not None:
+            # One token a word, each with the space after it: joined, the scripted text itself.
+            text_tokens = re.findall(r"\S+\s*|\s+", scripted.text or "")
+            tool_call, finish, held = scripted.tool_call, scripted.finish_reason, scripted.held_beyond_prompt
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{external_id}"
         internal_id = f"{response_id}-{uuid.uuid4().hex[:8]}"
         params = body.get("kv_transfer_params")
@@ -227,15 +267,13 @@ class StubState:
             if config.role == "prefill":
                 kv_out = self._prefill(params, internal_id, prompt_tokens)
             else:
-                text_tokens = n_tokens if tool_call is None else 1
-                computed = prompt_tokens + text_tokens - 1  # the last sampled token is never computed
-                kv_out = self._retain(internal_id, response_id, external_id, computed, body)
+                kv_out = self._retain(internal_id, response_id, external_id, prompt_tokens + held, body)
         return Completion(
             response_id=response_id,
             chat=chat,
             model=str(body.get("model") or config.model),
             prompt_tokens=prompt_tokens,
-            text_tokens=[] if tool_call else [f" t{i}" for i in range(n_tokens)],
+            text_tokens=text_tokens,
             finish_reason=finish,
             tool_call=tool_call,
             kv_transfer_params=kv_out,

@@ -1,7 +1,8 @@
 """Conversation shapes agents produce, for the "reuse never changes an answer" suite (issue 5).
 
 Each case drives ``send(messages) -> answer text`` through one conversation id. Run against a reuse-ON and a
-reuse-OFF router, the token ids of every request must be identical.
+reuse-OFF router, the token ids of every request must be identical. ``run_case`` runs one case through one
+router and records what it answered.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._helpers import conversation_script
+from ._helpers import chat, conversation_script, new_id
 
 Send = Callable[[list[dict[str, Any]]], str]
 Msg = dict[str, Any]
@@ -103,3 +104,27 @@ CASES = [
     tool_results_inserted,
     history_truncated_from_front,
 ]
+
+
+Record = list[tuple[int, list[int], list[float], list[dict[int, float]]]]
+
+
+def run_case(
+    case: Callable[..., None], url: str, script: list[str], *, logprobs: bool = True, top: int = 0
+) -> tuple[Record, list[str]]:
+    """Run one case on one conversation id; return (request index, token ids, their logprobs, top
+    logprobs) and the reuse headers. Exact routers are compared on logprobs too (bit for bit);
+    ``logprobs=False`` records ids only; ``top`` > 0 records that many top logprobs per token (a reference
+    that must tell near ties)."""
+    cid = new_id("case")
+    record: Record = []
+    reuse: list[str] = []
+
+    def send(messages: list[dict[str, object]]) -> str:
+        turn = chat(url, messages, conversation_id=cid, extra={"top_logprobs": top} if top else None)
+        record.append((len(record), turn.ids, turn.logprobs if logprobs else [], turn.top))
+        reuse.append(turn.headers.get("x-agentkv-reuse", ""))
+        return turn.text
+
+    case(send, script)
+    return record, reuse

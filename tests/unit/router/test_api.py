@@ -138,7 +138,7 @@ async def test_heartbeat_when_decode_lost_the_blocks_reports_expired(
 ) -> None:
     async with make_client() as client:
         await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
-        engines.retained.clear()
+        engines.drop_retained()
         hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
     assert hb["lease"]["state"] == "expired"
 

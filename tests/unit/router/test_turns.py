@@ -302,12 +302,12 @@ async def test_streaming_passthrough_then_retention_lookup(engines: FakeEngines,
         data = sse_data(r.text)
         assert r.headers["content-type"].startswith("text/event-stream")
         assert data[-1] == "[DONE]"
-        words = [json.loads(d)["choices"][0]["delta"].get("content") for d in data[:3]]
-        assert words == ["one ", "two ", "three "]
+        words = [json.loads(d)["choices"][0]["delta"].get("content") for d in data[1:4]]  # after the role
+        assert words == ["one ", "two ", "three"]
         # vLLM 0.32 streams carry no params: the router asked decode's retention service instead.
         lookups = [path for host, m, path, _b, _h in engines.seen if "/agentkv/v1/retained/" in path]
         assert lookups
-        answer = {"role": "assistant", "content": "one two three "}
+        answer = {"role": "assistant", "content": "one two three"}
         r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}], stream=True)
     assert r2.headers["x-agentkv-reuse"] == "hit"
     retained = next(iter(engines.retained.values()))["remote_block_ids"]
@@ -316,23 +316,11 @@ async def test_streaming_passthrough_then_retention_lookup(engines: FakeEngines,
 
 async def test_streamed_kv_params_are_stripped_but_learned(engines: FakeEngines, make_client) -> None:
     engines.retention = set()  # stock vLLM >= 0.33: params arrive in the last chunk
-    original = engines._sse
-
-    async def with_params(rid, reply, usage, body, chat):
-        async for part in original(rid, reply, usage, body, chat):
-            if part == b"data: [DONE]\n\n"[:7]:
-                yield (
-                    b"data: "
-                    + json.dumps({"choices": [], "kv_transfer_params": engines.retained[rid]}).encode()
-                )
-                yield b"\n\n"
-            yield part
-
-    engines._sse = with_params  # type: ignore[method-assign]
+    engines.d_stream_params = True
     async with make_client() as client:
         r = await chat(client, USER1, stream=True)
         assert "kv_transfer_params" not in r.text and "remote_block_ids" not in r.text
-        answer = {"role": "assistant", "content": "sure, done. "}
+        answer = {"role": "assistant", "content": "sure, done."}
         r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}])
         lookup = (await client.get("/v1/conversations/c1")).json()
     assert r2.headers["x-agentkv-reuse"] == "hit"
@@ -411,7 +399,7 @@ async def test_a_stream_decode_aborted_ends_with_an_error_not_a_finished_answer(
     assert data[-1] == "[DONE]"
     assert json.loads(data[-2])["error"]["message"] == "decode engine aborted the request"
     assert not any('"abort"' in d for d in data)  # the abort chunk itself never reaches the client
-    assert len(data) == 2 + 2  # the two words, the error, [DONE]
+    assert len(data) == 1 + 2 + 2  # the role, the two words, the error, [DONE]
     # The pull consumed the old blocks and the cut-short answer is not remembered as the conversation's.
     assert after is not None and after.retained is None and after.prefix == before.prefix
     assert 'agentkv_backend_errors_total{kind="aborted",role="decode"} 1.0' in metrics
@@ -562,7 +550,7 @@ async def test_decode_going_quiet_mid_stream_ends_the_stream(engines: FakeEngine
     async with make_client(timeouts={"decode_idle_s": 0.05}) as client:
         r = await chat(client, USER1, stream=True)
     data = sse_data(r.text)
-    assert json.loads(data[0])["choices"][0]["delta"]["content"] == "a "
+    assert json.loads(data[1])["choices"][0]["delta"]["content"] == "a "  # after the role
     assert "idle" in json.loads(data[-2])["error"]["message"] and data[-1] == "[DONE]"
 
 
