@@ -11,6 +11,7 @@ from prompt to prompt.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -171,6 +172,7 @@ def make_tiny_model(out_dir: str | Path, *, spec: TinyModelSpec | None = None) -
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    (out / _STAMP).write_text(_template_digest())
     vocab = max(spec.vocab_size, len(fast))
 
     # --- model: Qwen3 shape, random weights with a wide init (see module docstring).
@@ -208,11 +210,26 @@ def make_tiny_model(out_dir: str | Path, *, spec: TinyModelSpec | None = None) -
 
 
 def ensure_tiny_model(path: Path = DEFAULT_MODEL_DIR, *, seed: int = 0) -> Path:
-    """The default model: built on first use (~15 s, with a spinner on stderr), reused afterwards."""
-    if (path / "config.json").exists():
+    """The default model: built on first use (~15 s, with a spinner on stderr), reused afterwards, and built
+    again when the chat template changed since (a stale template renders prompts the tests do not expect)."""
+    if (path / "config.json").exists() and _stamp(path) == _template_digest():
         return path
     from rich.console import Console
 
     with Console(stderr=True).status(f"building the tiny model in {path} ..."):
         make_tiny_model(path, spec=TinyModelSpec(seed=seed))
     return path
+
+
+_STAMP = "agentkv-chat-template.sha256"
+
+
+def _template_digest() -> str:
+    return hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest()
+
+
+def _stamp(path: Path) -> str | None:
+    try:
+        return (path / _STAMP).read_text().strip()
+    except OSError:
+        return None

@@ -137,3 +137,25 @@ def test_greedy_answers_depend_on_the_prompt(seed0: Path) -> None:
     assert len({t for a in answers for t in a}) > 6, answers  # not one token over and over
     newline = tok.encode("\n")
     assert not all(list(a[: len(newline)]) == newline for a in answers)
+
+
+def test_ensure_tiny_model_rebuilds_a_model_whose_chat_template_changed(tmp_path, monkeypatch) -> None:
+    from agentkv.server import _model
+
+    built: list[Path] = []
+
+    def fake_build(path: Path, *, spec: object) -> Path:
+        built.append(path)
+        (path / "config.json").write_text("{}")
+        (path / _model._STAMP).write_text(_model._template_digest())
+        return path
+
+    monkeypatch.setattr(_model, "make_tiny_model", fake_build)
+    (tmp_path / "config.json").write_text("{}")  # a model built before the stamp existed
+    _model.ensure_tiny_model(tmp_path)
+    assert built == [tmp_path]
+    _model.ensure_tiny_model(tmp_path)  # the stamp matches now: reused
+    assert built == [tmp_path]
+    (tmp_path / _model._STAMP).write_text("another template")
+    _model.ensure_tiny_model(tmp_path)
+    assert built == [tmp_path, tmp_path]
