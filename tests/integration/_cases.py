@@ -128,3 +128,29 @@ def run_case(
 
     case(send, script)
     return record, reuse
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "search",
+            "description": "Search the files.",
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
+
+
+def two_turns(
+    url: str, second_extra: dict[str, Any], *, first_extra: dict[str, Any] | None = None
+) -> tuple[dict[str, str], Any]:
+    """A turn, then the next one with `second_extra` in its body (tools, template kwargs): the second turn's
+    headers, and its history and answer (for a baseline)."""
+    cid = new_id("tokens-top")
+    script = conversation_script(33, 2)
+    history: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
+    first = chat(url, history, conversation_id=cid, extra=first_extra)
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    second = chat(url, history, conversation_id=cid, extra=second_extra)
+    return second.headers, (history, second)

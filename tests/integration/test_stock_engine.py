@@ -15,7 +15,14 @@ import pytest
 
 from agentkv.server._cluster import Cluster
 
-from ._cases import Record, assistant_text_shortened, edited_earlier_user_message, run_case
+from ._cases import (
+    TOOLS,
+    Record,
+    assistant_text_shortened,
+    edited_earlier_user_message,
+    run_case,
+    two_turns,
+)
 from ._clusters import Clusters
 from ._helpers import (
     RouterProc,
@@ -117,6 +124,17 @@ def test_guarded_router_on_stock_engines_keeps_answers(
     on, reuse = run_case(assistant_text_shortened, stock_router.url, script)
     assert not _differs_beyond_rounding(on, off), (on, off)
     assert "mismatch" in reuse
+
+
+def test_tools_added_on_stock_engines_are_refused_by_the_routers_token_check(
+    stock_router: RouterProc, stock_off: RouterProc
+) -> None:
+    """No agentkv connector on prefill checks tokens here: the router's token check alone keeps a turn whose
+    added tools changed the top of the prompt from reading decode's KV of other tokens."""
+    headers, (history, second) = two_turns(stock_router.url, {"tools": TOOLS})
+    assert headers["x-agentkv-reuse"] == "mismatch", headers
+    off = chat(stock_off.url, history, conversation_id=new_id("stock-tools-off"), extra={"tools": TOOLS})
+    assert_agrees_up_to_rounding(second, off)
 
 
 def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(

@@ -13,6 +13,7 @@ import httpx
 
 from agentkv.server._cluster import Cluster
 
+from ._cases import TOOLS, two_turns
 from ._helpers import (
     MODEL,
     RouterProc,
@@ -22,17 +23,6 @@ from ._helpers import (
     metric,
     new_id,
 )
-
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "search",
-            "description": "Search the files.",
-            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
-        },
-    }
-]
 
 
 def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
@@ -91,18 +81,6 @@ def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster)
     assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
-def _two_turns(
-    url: str, second_extra: dict[str, Any], *, first_extra: dict[str, Any] | None = None
-) -> tuple[dict[str, str], Any]:
-    cid = new_id("tokens-top")
-    script = conversation_script(33, 2)
-    history: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
-    first = chat(url, history, conversation_id=cid, extra=first_extra)
-    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
-    second = chat(url, history, conversation_id=cid, extra=second_extra)
-    return second.headers, (history, second)
-
-
 def test_tools_added_or_template_kwargs_changed_never_reuse_the_old_prefix(
     router: RouterProc, router_off: RouterProc
 ) -> None:
@@ -112,14 +90,14 @@ def test_tools_added_or_template_kwargs_changed_never_reuse_the_old_prefix(
         ({"tools": TOOLS}, None),
         ({"chat_template_kwargs": {"today": "Tuesday"}}, {"chat_template_kwargs": {"today": "Monday"}}),
     ):
-        headers, (history, second) = _two_turns(router.url, extra, first_extra=first_extra)
+        headers, (history, second) = two_turns(router.url, extra, first_extra=first_extra)
         assert headers["x-agentkv-reuse"] == "mismatch", (extra, headers)
         assert headers["x-agentkv-reused-tokens"] == "0"
         off = chat(router_off.url, history, conversation_id=new_id("tokens-off"), extra=extra)
         assert_agrees_up_to_rounding(second, off)
     # The same kwargs on both turns render the same top: reused.
     same = {"chat_template_kwargs": {"today": "Monday"}}
-    headers, _ = _two_turns(router.url, same, first_extra=same)
+    headers, _ = two_turns(router.url, same, first_extra=same)
     assert headers["x-agentkv-reuse"] == "hit", headers
 
 
