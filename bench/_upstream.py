@@ -104,8 +104,10 @@ def fetch_upstream_source(version: str, *, cache: Path) -> Path:
     _extract(
         version,
         target_dir,
-        lambda name: (name.startswith("vllm/") and name.endswith(".py"))
-        or (name.startswith("requirements/") and name.endswith(".txt")),
+        lambda name: (
+            (name.startswith("vllm/") and name.endswith(".py"))
+            or (name.startswith("requirements/") and name.endswith(".txt"))
+        ),
     )
     (target_dir / _COMPLETE).touch()
     return target_dir
