@@ -41,6 +41,9 @@ class FakeEngines:
         self.d_generated_tokens = 3  # D holds prompt + this (a long answer may re-tokenize shorter)
         self.d_fingerprints = True  # D's params carry agentkv fingerprints (our connector); False: stock vLLM
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
+        # vLLM >= 0.33 streams: every chunk has "kv_transfer_params", null but on the finishing chunk
+        self.d_params_in_stream = False
+        self.d_generation: int | None = None  # vLLM >= 0.33: remote_registration_generation in D's params
         self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first chunk
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
@@ -129,6 +132,8 @@ class FakeEngines:
         }
         if self.d_fingerprints:
             params["agentkv_block_hashes"] = ["h0"]  # as our connector on decode publishes them
+        if self.d_generation is not None:
+            params["remote_registration_generation"] = self.d_generation
         self.retained[rid] = params
         return params
 
@@ -164,6 +169,8 @@ class FakeEngines:
         self, rid: str, reply: dict[str, Any], usage: dict[str, Any], body: dict[str, Any], chat: bool
     ) -> AsyncIterator[bytes]:
         def event(choice: dict[str, Any], **extra: Any) -> bytes:
+            if self.d_params_in_stream and choice:  # pydantic exclude_unset: null was set explicitly
+                extra["kv_transfer_params"] = self.retained[rid] if choice.get("finish_reason") else None
             return (
                 b"data: "
                 + json.dumps({"id": f"chatcmpl-{rid}", "choices": [choice], **extra}).encode()
@@ -214,6 +221,7 @@ class FakeEngines:
                 200,
                 json={
                     "engine_id": self.engine_id[host],
+                    "registration_generation": self.d_generation,
                     "lease_s": 30.0,
                     "max_lease_s": 600.0,
                     "retained": 0,
