@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 __all__ = ["CONNECTOR_MODULES", "Tree", "Use", "check", "has_member", "uses"]
@@ -105,15 +105,24 @@ def _assigned(node: ast.ClassDef) -> frozenset[str]:
 class Tree:
     """A vLLM source tree (the directory that holds the ``vllm`` package), parsed on demand."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, replaced: Mapping[str, str | None] | None = None) -> None:
+        """``replaced``: file paths relative to ``root`` -> their text instead, None for a file that is gone
+        (how the test mutates a release without copying it)."""
         self.root = root
+        self._replaced = dict(replaced or {})
         self._modules: dict[str, ast.Module | None] = {}
+
+    def _text(self, rel: str) -> str | None:
+        if rel in self._replaced:
+            return self._replaced[rel]
+        path = self.root / rel
+        return path.read_text(encoding="utf-8") if path.is_file() else None
 
     def module(self, dotted: str) -> ast.Module | None:
         if dotted not in self._modules:
-            base = self.root.joinpath(*dotted.split("."))
-            path = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None)
-            self._modules[dotted] = ast.parse(path.read_text(encoding="utf-8")) if path else None
+            base = "/".join(dotted.split("."))
+            text = next((t for t in map(self._text, (f"{base}.py", f"{base}/__init__.py")) if t), None)
+            self._modules[dotted] = ast.parse(text) if text is not None else None
         return self._modules[dotted]
 
     def resolve(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.AST] | None:
@@ -188,7 +197,7 @@ def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
 def _absolute(module: str, stmt: ast.ImportFrom, tree: Tree) -> str:
     if not stmt.level:
         return stmt.module or ""
-    is_package = tree.root.joinpath(*module.split("."), "__init__.py").is_file()
+    is_package = tree._text("/".join([*module.split("."), "__init__.py"])) is not None
     parts = module.split(".")
     base = parts if is_package else parts[:-1]
     base = base[: len(base) - (stmt.level - 1)]
