@@ -234,11 +234,11 @@ async def test_a_decode_reregistration_voids_its_retained_blocks(engines: FakeEn
         await client.app.state.router.health.check_once()  # type: ignore[attr-defined]
         r = await chat(client, next_messages(USER1, first))
         assert r.headers["x-agentkv-reuse"] == "expired"
-        assert engines.completions("p")[2]["kv_transfer_params"]["remote_block_ids"] is None
+        assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
         # A turn retained under generation 2 is reused as usual.
         r2 = await chat(client, next_messages(next_messages(USER1, first), r.json()))
     assert r2.headers["x-agentkv-reuse"] == "hit"
-    assert engines.completions("p")[3]["kv_transfer_params"]["remote_registration_generation"] == 2
+    assert engines.completions("p")[2]["kv_transfer_params"]["remote_registration_generation"] == 2
 
 
 async def test_vllm_033_stream_params_are_taken_from_the_stream(engines: FakeEngines, make_client) -> None:
