@@ -1,6 +1,6 @@
 """What agentkv's connector uses of vLLM, read from our own source, checked against a vLLM source tree.
 
-Nothing is listed by hand: ``uses()`` parses the connector modules (``CONNECTOR_MODULES``) with ``ast`` and
+Nothing is listed by hand: ``uses()`` parses our modules that import vLLM (``vllm_modules()``) with ast and
 collects every ``from vllm... import``, every ``module.name`` on an imported vLLM module, and for each class
 that extends a vLLM class: the methods it overrides (public ones, and any that call ``super()`` under the
 same name) with their parameters, every ``super().m(...)`` and ``VllmBase.m(self, ...)`` call, every
@@ -17,22 +17,39 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-__all__ = ["CONNECTOR_MODULES", "Tree", "Use", "check", "has_member", "uses"]
+__all__ = ["Tree", "Use", "check", "has_member", "uses", "vllm_modules"]
 
 REPO = Path(__file__).resolve().parents[3]
-CONNECTOR_MODULES = (
-    "agentkv/server/connector.py",
-    "agentkv/server/_connector/_vllm.py",
-    "agentkv/server/_connector/_scheduler.py",
-    "agentkv/server/_connector/_worker.py",
-)
+VLLM_IMPORTS = "agentkv/server/_connector/_vllm.py"  # the vLLM classes we extend, imported in one place
+
+
+def vllm_modules(root: Path = REPO) -> tuple[str, ...]:
+    """Every module of ours that imports from vLLM, directly or through ``_vllm``: found, not listed, so a
+    new one is checked the day it is written."""
+    dotted = VLLM_IMPORTS.removesuffix(".py").replace("/", ".")
+    found = []
+    for path in sorted((root / "agentkv").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            modules = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(m.split(".")[0] == "vllm" or m == dotted for m in modules):
+                found.append(path.relative_to(root).as_posix())
+                break
+    return tuple(found)
 
 
 @dataclasses.dataclass(frozen=True)
 class Use:
-    """One thing our code relies on. ``kind``: import | attr (on a module) | override | call | member."""
+    """One thing our code relies on."""
 
-    kind: str  # also "sets": an attribute our subclass assigns (vLLM may read it: connector_scheduler)
+    # import | attr (``x.name`` on an imported vLLM module or class) | override | call (super() or
+    # Base.m(self)) | member (an attribute read) | sets (one our subclass assigns, which vLLM may read)
+    kind: str
     module: str  # the vLLM module that defines (or re-exports) ``owner``
     owner: str  # a class name, or "" for a module-level name
     name: str
@@ -218,13 +235,14 @@ def _positional(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> tuple[str, ...]:
     return tuple(a.arg for a in [*fn.args.posonlyargs, *fn.args.args][1:])
 
 
-def uses(files: tuple[str, ...] = CONNECTOR_MODULES, root: Path = REPO) -> list[Use]:
-    """Everything our connector modules use of vLLM (see the module docstring)."""
+def uses(root: Path = REPO) -> list[Use]:
+    """Everything our modules use of vLLM (see the module docstring)."""
+    files = vllm_modules(root)
     out: list[Use] = []
     # Files in import order (``_vllm`` before its users): a vLLM name our module re-exports keeps its origin.
     parsed = {rel: ast.parse((root / rel).read_text(encoding="utf-8")) for rel in files}
     exported: dict[str, dict[str, tuple[str, str]]] = {}
-    for rel in sorted(files, key=lambda r: not r.endswith("/_vllm.py")):
+    for rel in sorted(files, key=lambda r: r != VLLM_IMPORTS):
         tree = parsed[rel]
         names: dict[str, tuple[str, str]] = {}  # local name -> (vLLM module, name); name "" = a module
         for node in ast.walk(tree):

@@ -21,7 +21,7 @@ from packaging.version import Version
 
 from agentkv.server._versions import API_CHECKED, is_supported
 
-from ._api import REPO, Tree, Use, check, has_member, uses
+from ._api import REPO, Tree, Use, check, has_member, uses, vllm_modules
 
 if str(REPO) not in sys.path:  # bench/ lives at the repository root, outside the installed distribution
     sys.path.insert(0, str(REPO))
@@ -43,6 +43,12 @@ def source(request: pytest.FixtureRequest) -> tuple[str, Path]:
 
 def test_our_connector_uses_what_we_expect_to_check() -> None:
     # The extraction itself: if it silently found nothing, every release would pass.
+    assert set(vllm_modules()) >= {
+        "agentkv/server/connector.py",
+        "agentkv/server/_connector/_vllm.py",
+        "agentkv/server/_connector/_scheduler.py",
+        "agentkv/server/_connector/_worker.py",
+    }
     kinds = {(u.kind, u.owner.split(".")[0], u.name) for u in USES}
     assert ("override", "NixlPullConnectorScheduler", "request_finished") in kinds
     assert ("call", "NixlBaseConnector", "__init__") in kinds
