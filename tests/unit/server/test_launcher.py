@@ -131,3 +131,24 @@ def test_engine_check_refuses_an_unsupported_installed_vllm(
     monkeypatch.setattr("agentkv.server._launcher.installed_version", lambda: "0.34.0")
     monkeypatch.setattr("agentkv.server._launcher.port_in_use", lambda *_: False)
     engine.check()
+
+
+def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One install runs every engine `up` starts, so this stands for engines that answer for another vLLM
+    # (a port taken by an engine someone else started): refused before the warm-up and the router.
+    from agentkv.server._cluster import Cluster
+
+    stopped: list[str] = []
+    monkeypatch.setattr(Engine, "check", lambda self: None)
+    monkeypatch.setattr(Engine, "start", lambda self: None)
+    monkeypatch.setattr(Engine, "wait_healthy", lambda self, **_: 1.0)
+    monkeypatch.setattr(Engine, "stop", lambda self, **_: stopped.append(self.name))
+    versions = iter(["0.33.0", "0.34.0"])
+    monkeypatch.setattr("agentkv.server._cluster.engine_version", lambda http, url: next(versions))
+    cluster = Cluster(config=ClusterConfig(model=str(tmp_path), router_port=None))
+    monkeypatch.setattr(cluster, "warm_up", lambda: pytest.fail("warm-up after a version mismatch"))
+    with pytest.raises(EngineVersionError, match=r"same vLLM release.*0\.33\.0.*0\.34\.0"):
+        cluster.up()
+    assert sorted(stopped) == sorted(e.name for e in cluster.engines)
