@@ -6,7 +6,9 @@ AgentKVError
 │   ├── EngineNotInstalledError vllm (or nixl) missing; names the extra to install
 │   ├── PortInUseError
 │   ├── EngineStartError        a server died or did not become healthy; carries the log tail
-│   └── ModelNotFoundError
+│   ├── ModelNotFoundError
+│   ├── EngineVersionError      an unsupported vLLM, or prefill and decode on different ones
+│   └── WarmUpError             a warm-up hop through a prefill/decode pair failed
 ├── TransportError              talking HTTP to the router / an OpenAI-compatible server
 │   ├── ConnectError            nothing answered (retried before the first byte)
 │   ├── TimeoutError_           a deadline passed
@@ -29,6 +31,7 @@ __all__ = [
     "EngineError",
     "EngineNotInstalledError",
     "EngineStartError",
+    "EngineVersionError",
     "ModelNotFoundError",
     "PortInUseError",
     "RateLimitError",
@@ -69,6 +72,11 @@ class EngineStartError(EngineError):
 
 class ModelNotFoundError(EngineError):
     pass
+
+
+class EngineVersionError(EngineError):
+    """An engine runs a vLLM release outside the supported range, or prefill and decode run different
+    releases (vLLM >= 0.34 refuses such a NIXL handshake; older ones may read KV of another layout)."""
 
 
 class WarmUpError(EngineError):

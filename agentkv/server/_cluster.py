@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx
+
 from agentkv._constants import (
     DEFAULT_DECODE_PORT,
     DEFAULT_PREFILL_PORT,
@@ -33,6 +35,7 @@ from agentkv.server._launcher import (
     kill_group,
     start_router,
 )
+from agentkv.server._versions import check_versions, engine_version
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -210,6 +213,8 @@ class Cluster:
             with ThreadPoolExecutor(len(self.engines)) as pool:
                 for e, secs in zip(self.engines, pool.map(wait, self.engines), strict=True):
                     self.start_seconds[e.name] = round(secs, 1)
+            with httpx.Client(timeout=10) as http:
+                check_versions({e.name: engine_version(http, e.spec.url) for e in self.engines})
             if self.config.warm_up:
                 self.warm_up()
             if self.config.router_port is not None:

@@ -26,6 +26,7 @@ import httpx
 
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
+from agentkv.server._versions import check_versions, installed_version
 
 __all__ = [
     "Engine",
@@ -287,6 +288,9 @@ class Engine:
         if importlib.util.find_spec("vllm") is None:
             extra = "cpu" if self.spec.device == "cpu" else "gpu"
             raise EngineNotInstalledError(f"vLLM is not installed: pip install 'agentkv[{extra}]'")
+        installed = installed_version()
+        if installed is not None:
+            check_versions({self.name: installed})
         if not Path(self.spec.model).is_dir():
             raise ModelNotFoundError(
                 f"model directory {self.spec.model!r} does not exist (make one: agentkv model tiny DIR)"

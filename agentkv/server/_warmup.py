@@ -25,6 +25,7 @@ import httpx
 from agentkv._constants import SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
 from agentkv._exceptions import WarmUpError
 from agentkv._wire import KV_KEY, decode_body, prefill_body
+from agentkv.server._versions import check_versions, engine_version
 
 __all__ = ["WarmUpReport", "warm_up_pair"]
 
@@ -46,11 +47,19 @@ class WarmUpReport:
 def warm_up_pair(
     *, prefill_url: str, decode_url: str, client: httpx.Client | None = None, timeout_s: float = 600.0
 ) -> WarmUpReport:
-    """Run the two warm-up turns through one prefill/decode pair; raises WarmUpError if a hop fails."""
+    """Run the two warm-up turns through one prefill/decode pair; raises WarmUpError if a hop fails and
+    EngineVersionError if the two run different vLLM releases or one agentkv does not support."""
     own = client is None
     http = client or httpx.Client(timeout=timeout_s)
     try:
         model = _model(http, prefill_url)
+        # Before the first turn: a pair of different releases fails (or worse, does not) at the handshake.
+        check_versions(
+            {
+                f"prefill {prefill_url}": engine_version(http, prefill_url),
+                f"decode {decode_url}": engine_version(http, decode_url),
+            }
+        )
         words = " ".join(f"w{i}" for i in range(_WORDS))
         messages: list[dict[str, Any]] = [{"role": "user", "content": f"agentkv warm-up: {words}"}]
         base = {"model": model, "messages": messages, "temperature": 0}

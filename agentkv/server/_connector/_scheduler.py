@@ -133,6 +133,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "stats": dict(self.stats),
             "cost_model": self.cost.snapshot(),
             "vllm_version": vllm.__version__,
+            # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
+            # remote_registration_generation): blocks offered under an older one are gone.
+            "registration_generation": getattr(self, "_registration_generation", None),
         }
 
     # --- prefill: verify and trim what decode offers ------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The vLLM classes we extend, imported in one place (vLLM 0.24-0.33 keep them in the ``nixl`` package)."""
+"""The vLLM classes we extend, imported in one place (vLLM 0.26-0.34 keep them in the ``nixl`` package;
+tests/unit/compat checks every name the connector uses against each release's source)."""
 
 from __future__ import annotations
 

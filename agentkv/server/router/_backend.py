@@ -45,10 +45,29 @@ class Registration:
         )
 
     def matches(self, other: Registration) -> bool:
+        """Whether blocks ``other`` (a record's params) names are still there, ``self`` being the newest
+        registration seen for the decode."""
         if self.engine_id is not None and other.engine_id is not None and self.engine_id != other.engine_id:
             return False
         # Generations are only comparable when both sides report one (vLLM < 0.33 reports none).
-        return self.generation is None or other.generation is None or self.generation == other.generation
+        if self.generation is None or other.generation is None:
+            return True
+        if _ordered(self.generation, other.generation):
+            # vLLM >= 0.33 counts re-registrations (a wake from sleep): blocks named by an older generation
+            # are gone; a newer one only means the router has not seen the re-registration yet.
+            return bool(other.generation >= self.generation)
+        return bool(self.generation == other.generation)
+
+    def supersedes(self, other: Registration) -> bool:
+        """Whether this registration may replace ``other`` as a decode's newest: another engine, or the same
+        engine at the same or a higher generation (a late answer of an older generation never wins)."""
+        if self.engine_id != other.engine_id or not _ordered(self.generation, other.generation):
+            return True
+        return bool(self.generation >= other.generation)
+
+
+def _ordered(a: Any, b: Any) -> bool:
+    return isinstance(a, int) and isinstance(b, int) and not isinstance(a, bool) and not isinstance(b, bool)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -80,7 +99,9 @@ class BackendState:
         return _InFlight(self)
 
     def saw_registration(self, registration: Registration) -> None:
-        if registration.engine_id is not None:
+        if registration.engine_id is not None and (
+            self.registration is None or registration.supersedes(self.registration)
+        ):
             self.registration = registration
 
 

@@ -146,6 +146,8 @@ class EventSplitter:
         out, params, obj = strip_kv_json(payload)
         if params is not None:
             self._output.kv_params = params
+        if out is not payload:
+            # vLLM >= 0.33 puts the key in every chunk (null until the finishing one): none reaches a client.
             event = b"data: " + out + b"\n\n"
         if obj is None:
             try:

@@ -61,7 +61,9 @@ class FakeEngines:
         self.d_fingerprints = True  # D's params carry agentkv fingerprints (our connector); False: stock vLLM
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
         self.stream_gate: asyncio.Event | None = None  # when set, D waits on it after its first token
-        self.d_stream_params = False  # vLLM >= 0.33: D's params on its last streamed chunk; 0.32: none
+        # vLLM >= 0.33 streams: "kv_transfer_params" on every chunk, null but on the finishing one; 0.32: none
+        self.d_stream_params = False
+        self.d_generation: int | None = None  # vLLM >= 0.33: remote_registration_generation in D's params
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
         self.released: list[str] = []
@@ -174,6 +176,9 @@ class FakeEngines:
         )
         if host.startswith("p"):
             completion.cached_tokens = self.p_cached_tokens
+        elif self.d_generation is not None and completion.kv_transfer_params:
+            # The same dict the retention service answers with: both carry the generation.
+            completion.kv_transfer_params["remote_registration_generation"] = self.d_generation
         if not body.get("stream"):
             out = completion.body()
             if host.startswith("d") and not self.d_params_in_body:
@@ -181,7 +186,12 @@ class FakeEngines:
             return httpx.Response(200, json=out)
         if not (host.startswith("d") and self.d_stream_params):
             completion.kv_transfer_params = None  # vLLM 0.32 streams without them
-        events = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in completion.chunks()]
+        chunks = list(completion.chunks())
+        if host.startswith("d") and self.d_stream_params:
+            for chunk in chunks:  # pydantic's exclude_unset: the null was set explicitly on every chunk
+                if chunk.get("choices"):
+                    chunk.setdefault("kv_transfer_params", None)
+        events = [b"data: " + json.dumps(chunk).encode() + b"\n\n" for chunk in chunks]
         # A chat stream opens with the assistant's role; its first token is the next event.
         first_token = 1 if completion.chat else 0
         return httpx.Response(
@@ -205,7 +215,10 @@ class FakeEngines:
             raise httpx.ConnectError("connection refused")
         engine = self._engine(host)
         if path == "/agentkv/v1/info":
-            return httpx.Response(200, json=engine.info())
+            info = engine.info()
+            if self.d_generation is not None:
+                info["registration_generation"] = self.d_generation
+            return httpx.Response(200, json=info)
         now = time.perf_counter()
         if method == "GET" and path.startswith(_RETAINED):
             found = engine.find(path[len(_RETAINED) :])

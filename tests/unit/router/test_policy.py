@@ -179,3 +179,27 @@ def test_idle_backends_take_turns_for_new_conversations() -> None:
     assert [p.name for p in picks if p] == ["d0", "d1", "d0", "d1"]
     # Stickiness still wins over the spread.
     assert (s := choose_decode(decodes, sticky="d1", load_cap=8)) is not None and s.name == "d1"
+
+
+def test_a_higher_registration_generation_means_older_retained_blocks_are_gone() -> None:
+    # vLLM >= 0.33: decode re-registered its KV (e.g. woke from sleep) and counts it in its params.
+    older = {**RETAINED, "remote_registration_generation": 1}
+    newer = {**RETAINED, "remote_registration_generation": 3}
+    assert assess(retained=older, registration=Registration(engine_id="E", generation=2)) == "expired"
+    assert assess(retained=older, registration=Registration(engine_id="E", generation=1)) == "ok"
+    # A record newer than the router's last sighting: the re-registration was not seen yet, the blocks are.
+    assert assess(retained=newer, registration=Registration(engine_id="E", generation=2)) == "ok"
+    assert assess(retained=RETAINED, registration=Registration(engine_id="E", generation=2)) == "ok"  # < 0.33
+
+
+def test_a_late_answer_of_an_older_generation_does_not_roll_the_decode_back() -> None:
+    decode = next(iter(pool("decode", [0])))
+    decode.saw_registration(Registration(engine_id="E", generation=2))
+    decode.saw_registration(Registration(engine_id="E", generation=1))  # a turn that started before the wake
+    assert decode.registration == Registration(engine_id="E", generation=2)
+    decode.saw_registration(Registration(engine_id="E", generation=3))
+    assert decode.registration == Registration(engine_id="E", generation=3)
+    decode.saw_registration(Registration(engine_id="RESTARTED", generation=1))  # a new engine starts over
+    assert decode.registration == Registration(engine_id="RESTARTED", generation=1)
+    decode.saw_registration(Registration(engine_id=None, generation=9))  # says nothing about which engine
+    assert decode.registration == Registration(engine_id="RESTARTED", generation=1)

@@ -224,6 +224,46 @@ async def test_decode_restart_voids_old_blocks(engines: FakeEngines, make_client
     assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
 
 
+async def test_a_decode_reregistration_voids_its_retained_blocks(engines: FakeEngines, make_client) -> None:
+    # vLLM >= 0.33 counts NIXL re-registrations (e.g. after sleep) in remote_registration_generation, and
+    # our connector's /info reports the same number: a higher one means what decode retained is gone.
+    engines.d_generation = 1
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        engines.d_generation = 2
+        await client.app.state.router.health.check_once()  # type: ignore[attr-defined]
+        r = await chat(client, next_messages(USER1, first))
+        assert r.headers["x-agentkv-reuse"] == "expired"
+        assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+        # A turn retained under generation 2 is reused as usual.
+        r2 = await chat(client, next_messages(next_messages(USER1, first), r.json()))
+    assert r2.headers["x-agentkv-reuse"] == "hit"
+    assert engines.completions("p")[2]["kv_transfer_params"]["remote_registration_generation"] == 2
+
+
+async def test_vllm_033_stream_params_are_taken_from_the_stream(engines: FakeEngines, make_client) -> None:
+    # vLLM >= 0.33's stream shape: "kv_transfer_params" on every chunk, null until the finishing chunk.
+    # With our connector on decode the router needs no retention lookup, and P gets all decode returned.
+    engines.d_stream_params = True
+    engines.d_generation = 1
+    engines.reply = lambda body: {"content": "one two"}
+    async with make_client() as client:
+        r = await chat(client, USER1, stream=True, stream_options={"include_usage": True})
+        assert "kv_transfer_params" not in r.text and "remote_block_ids" not in r.text
+        # After the role chunk a chat stream opens with, as vLLM's does.
+        assert [json.loads(d)["choices"][0]["delta"]["content"] for d in sse_data(r.text)[1:3]] == [
+            "one ",
+            "two",
+        ]
+        answer = {"role": "assistant", "content": "one two"}
+        r2 = await chat(client, [*USER1, answer, {"role": "user", "content": "more"}], stream=True)
+    assert not [path for _h, _m, path, _b, _hd in engines.seen if "/agentkv/v1/retained/" in path]
+    assert r2.headers["x-agentkv-reuse"] == "hit"
+    sent = engines.completions("p")[1]["kv_transfer_params"]
+    retained = engines.retained[next(iter(engines.retained))]
+    assert {k: sent[k] for k in retained} == retained  # every key decode returned, generation included
+
+
 async def test_reuse_off_never_sends_retained_params(engines: FakeEngines, make_client) -> None:
     async with make_client(reuse=False) as client:
         first = (await chat(client, USER1)).json()

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from agentkv._exceptions import ConfigError, ModelNotFoundError, PortInUseError
+from agentkv._exceptions import ConfigError, EngineVersionError, ModelNotFoundError, PortInUseError
 from agentkv.server._cluster import ClusterConfig
 from agentkv.server._launcher import Engine, EngineSpec, build_command
 
@@ -119,3 +119,36 @@ def test_cpu_engines_are_pinned_only_when_each_gets_its_own_core(monkeypatch: py
     # The user's own environment for the engines wins.
     mine = ClusterConfig(model="/m", device="cpu", n_decode=3, env={"OMP_NUM_THREADS": "2"}).specs()
     assert all(s.env["OMP_NUM_THREADS"] == "2" for _, s in mine)
+
+
+def test_engine_check_refuses_an_unsupported_installed_vllm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = Engine(spec=EngineSpec(role="decode", model=str(tmp_path), port=1), name="decode")
+    monkeypatch.setattr("agentkv.server._launcher.installed_version", lambda: "0.35.0")
+    with pytest.raises(EngineVersionError, match=r"decode runs vLLM 0\.35\.0; agentkv supports vLLM >=0\.26"):
+        engine.check()
+    monkeypatch.setattr("agentkv.server._launcher.installed_version", lambda: "0.34.0")
+    monkeypatch.setattr("agentkv.server._launcher.port_in_use", lambda *_: False)
+    engine.check()
+
+
+def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One install runs every engine `up` starts, so this stands for engines that answer for another vLLM
+    # (a port taken by an engine someone else started): refused before the warm-up and the router.
+    from agentkv.server._cluster import Cluster
+
+    stopped: list[str] = []
+    monkeypatch.setattr(Engine, "check", lambda self: None)
+    monkeypatch.setattr(Engine, "start", lambda self: None)
+    monkeypatch.setattr(Engine, "wait_healthy", lambda self, **_: 1.0)
+    monkeypatch.setattr(Engine, "stop", lambda self, **_: stopped.append(self.name))
+    versions = iter(["0.33.0", "0.34.0"])
+    monkeypatch.setattr("agentkv.server._cluster.engine_version", lambda http, url: next(versions))
+    cluster = Cluster(config=ClusterConfig(model=str(tmp_path), router_port=None))
+    monkeypatch.setattr(cluster, "warm_up", lambda: pytest.fail("warm-up after a version mismatch"))
+    with pytest.raises(EngineVersionError, match=r"same vLLM release.*0\.33\.0.*0\.34\.0"):
+        cluster.up()
+    assert sorted(stopped) == sorted(e.name for e in cluster.engines)

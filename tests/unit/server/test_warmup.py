@@ -9,14 +9,17 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv import WarmUpError
+from agentkv import EngineVersionError, WarmUpError
 from agentkv.server._warmup import warm_up_pair
 
 P, D, SVC = "http://p:8100", "http://d:8200", "http://d:9200"
 
 
 class FakePair:
-    def __init__(self, *, decode_status: int = 200, cached: int = 300) -> None:
+    def __init__(
+        self, *, decode_status: int = 200, cached: int = 300, versions: tuple[str, str] = ("0.32.0", "0.32.0")
+    ) -> None:
+        self.versions = dict(zip((P, D), versions, strict=True))
         self.calls: list[tuple[str, str, dict[str, Any]]] = []
         self.decode_status = decode_status
         self.cached = cached
@@ -26,6 +29,8 @@ class FakePair:
         body = json.loads(request.content) if request.content else {}
         self.calls.append((request.method, str(request.url), body))
         url = str(request.url)
+        if url.endswith("/version"):  # vLLM's API server: {"version": "0.32.0"}
+            return httpx.Response(200, json={"version": self.versions[url.removesuffix("/version")]})
         if url == f"{P}/v1/models":
             return httpx.Response(200, json={"data": [{"id": "m"}]})
         if url.startswith(P):
@@ -82,3 +87,27 @@ def test_a_failing_hop_raises_a_warm_up_error_naming_it() -> None:
 def test_a_declined_pull_is_reported_not_raised() -> None:
     report = run(FakePair(cached=0))
     assert report.pulled_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("versions", "message"),
+    [
+        (
+            ("0.32.0", "0.33.0"),
+            r"same vLLM release.*prefill http://p:8100 0\.32\.0, decode http://d:8200 0\.33\.0",
+        ),
+        (("0.25.1", "0.25.1"), r"prefill http://p:8100 runs vLLM 0\.25\.1.*supports vLLM >=0\.26,<0\.35"),
+        (("0.35.0", "0.35.0"), r"runs vLLM 0\.35\.0"),
+    ],
+)
+def test_a_pair_on_different_or_unsupported_vllm_releases_is_refused_before_any_turn(
+    versions: tuple[str, str], message: str
+) -> None:
+    fake = FakePair(versions=versions)
+    with pytest.raises(EngineVersionError, match=message):
+        run(fake)
+    assert not [c for c in fake.calls if c[0] == "POST"]  # no turn ran: nothing retained on decode
+
+
+def test_a_pair_on_one_supported_release_passes_the_version_check() -> None:
+    assert run(FakePair(versions=("0.34.0+cu130", "0.34.0+cu130"))).pulled_tokens == 300

@@ -1,0 +1,158 @@
+"""The connector's use of vLLM, checked against the source of every vLLM release we claim (``API_CHECKED``).
+
+Each release's sdist is fetched from the package index on first use and cached under ``.agentkv/upstream/``
+(``bench/_upstream.py``); the source is parsed with ``ast``, never imported, so one machine checks CUDA
+releases it could not install. What we use is read from our own connector modules (``_api.uses``): a new
+override, ``super()`` call or ``self.x`` of vLLM's is checked the moment it is written. When the index
+cannot be reached the tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+from agentkv.server._versions import API_CHECKED, is_supported
+
+from ._api import REPO, Tree, Use, check, has_member, uses, vllm_modules
+
+if str(REPO) not in sys.path:  # bench/ lives at the repository root, outside the installed distribution
+    sys.path.insert(0, str(REPO))
+
+from bench._upstream import fetch_upstream_source
+
+CACHE = REPO / ".agentkv" / "upstream"
+USES = uses()
+
+
+@pytest.fixture(scope="module", params=API_CHECKED)
+def source(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    version = str(request.param)
+    try:
+        return version, fetch_upstream_source(version, cache=CACHE)
+    except httpx.HTTPError as exc:
+        pytest.skip(f"vLLM {version}'s source could not be fetched from the package index: {exc!r}")
+
+
+def test_our_connector_uses_what_we_expect_to_check() -> None:
+    # The extraction itself: if it silently found nothing, every release would pass.
+    assert set(vllm_modules()) >= {
+        "agentkv/server/connector.py",
+        "agentkv/server/_connector/_vllm.py",
+        "agentkv/server/_connector/_scheduler.py",
+        "agentkv/server/_connector/_worker.py",
+    }
+    kinds = {(u.kind, u.owner.split(".")[0], u.name) for u in USES}
+    assert ("override", "NixlPullConnectorScheduler", "request_finished") in kinds
+    assert ("call", "NixlBaseConnector", "__init__") in kinds
+    assert ("member", "NixlPullConnectorScheduler", "_reqs_need_send") in kinds
+    assert ("member", "KVConnectorOutput", "finished_sending") in kinds
+    assert ("override", "NixlPullConnectorWorker", "__init__") in kinds
+    assert ("attr", "nixl_utils", "NixlWrapper") in kinds
+    assert ("sets", "NixlPullConnector", "connector_scheduler") in kinds
+    assert len(USES) > 80
+
+
+def test_every_vllm_name_signature_and_attribute_we_use_exists(source: tuple[str, Path]) -> None:
+    version, root = source
+    tree = Tree(root)
+    problems = sorted({f"{u}: {why}" for u in USES if (why := check(u, tree))})
+    assert not problems, f"vLLM {version}:\n" + "\n".join(problems)
+
+
+def test_attributes_we_set_for_vllm_exist_in_every_release() -> None:
+    # ``connector_scheduler``/``connector_worker`` are vLLM's, read by its base connector; ``self.leases`` is
+    # ours. An attribute one release has and another lacks is one vLLM renamed under us.
+    trees = {}
+    for version in API_CHECKED:
+        try:
+            trees[version] = Tree(fetch_upstream_source(version, cache=CACHE))
+        except httpx.HTTPError as exc:
+            pytest.skip(f"vLLM {version}'s source could not be fetched from the package index: {exc!r}")
+    for use in (u for u in USES if u.kind == "sets"):
+        present = {v for v, tree in trees.items() if has_member(use, tree)}
+        assert present in (set(), set(API_CHECKED)), f"{use}: only in vLLM {sorted(present)}"
+
+
+def test_the_check_fails_on_a_real_break(source: tuple[str, Path]) -> None:
+    """Mutations of vLLM's source (renamed method, changed signature, dropped attribute, moved class): each
+    must be reported, so a pass above means something."""
+    version, root = source
+    rel = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
+    original = {
+        f"{rel}/{name}": (root / rel / name).read_text()
+        for name in ("base_scheduler.py", "pull_scheduler.py")
+    }
+    # Applied to both files: a method defined in the base and overridden in the pull class goes from both.
+    mutations = [
+        (r"def request_finished\(\s*self,", "def request_done(self,", "request_finished"),
+        (
+            r"def get_num_new_matched_tokens\(\s*self,\s*request",
+            "def get_num_new_matched_tokens(self, req",
+            "get_num_new_matched_tokens",
+        ),
+        (r"self\._reqs_need_send\b", "self._sends_pending", "_reqs_need_send"),
+    ]
+    for pattern, replacement, reported in mutations:
+        assert any(re.search(pattern, text) for text in original.values()), (
+            f"{pattern!r} not in vLLM {version}"
+        )
+        tree = Tree(
+            root, replaced={path: re.sub(pattern, replacement, text) for path, text in original.items()}
+        )
+        problems = [f"{u}: {why}" for u in USES if (why := check(u, tree))]
+        assert any(reported in p for p in problems), f"{reported} mutation not reported"
+    tree = Tree(root, replaced={f"{rel}/pull_worker.py": None})
+    assert any("NixlPullConnectorWorker" in str(u) for u in USES if check(u, tree))
+
+
+def _extras() -> dict[str, list[Requirement]]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return {name: [Requirement(r) for r in reqs] for name, reqs in extras.items() if name.startswith("gpu")}
+
+
+def _spec(reqs: list[Requirement], name: str) -> Requirement:
+    return next(r for r in reqs if r.name == name)
+
+
+def test_exactly_one_gpu_extra_admits_each_checked_release_with_the_nixl_it_needs(
+    source: tuple[str, Path],
+) -> None:
+    version, root = source
+    admitting = {n: reqs for n, reqs in _extras().items() if _spec(reqs, "vllm").specifier.contains(version)}
+    assert len(admitting) == 1, f"vLLM {version} is admitted by extras {sorted(admitting)}"
+    ((extra, reqs),) = admitting.items()
+    nixl = _spec(reqs, "nixl").specifier
+    # The NIXL vLLM builds and tests with (requirements/kv_connectors.txt) ...
+    pinned = re.search(r"^nixl\s*==\s*([\w.]+)", (root / "requirements/kv_connectors.txt").read_text(), re.M)
+    assert pinned is not None
+    assert nixl.contains(pinned.group(1)), (
+        f"[{extra}] {nixl} excludes NIXL {pinned.group(1)} (vLLM {version})"
+    )
+    # ... and never one its runtime check refuses (vLLM >= 0.33: check_nixl_version("1.5.0")).
+    base_worker = (root / "vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py").read_text()
+    required = re.search(r'check_nixl_version\(\s*"([\w.]+)"', base_worker)
+    if required is not None:
+        lowest = [Version(s.version) for s in nixl if s.operator in (">=", "==", "~=")]
+        assert lowest and min(lowest) >= Version(required.group(1)), (
+            f"[{extra}] {nixl} admits NIXL < {required.group(1)}"
+        )
+
+
+@pytest.mark.parametrize("version", [*API_CHECKED, "0.25.0", "0.29.0", "0.35.0"])
+def test_the_runtime_check_and_the_extras_agree(version: str) -> None:
+    admitted = any(_spec(reqs, "vllm").specifier.contains(version) for reqs in _extras().values())
+    assert is_supported(version) == admitted
+
+
+def test_use_descriptions_name_our_source_line() -> None:
+    use = Use("member", "vllm.v1.request", "Request", "request_id", where="agentkv/x.py:3")
+    assert str(use) == "member vllm.v1.request.Request.request_id (agentkv/x.py:3)"
