@@ -11,19 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "GENERATE_PATH",
     "KV_KEY",
     "PROMPT_IDS_KEY",
     "RETAIN_KEY",
+    "TOKEN_PREFILL_PATH",
     "cut_offer",
     "decode_body",
     "decode_local_body",
-    "generate_body",
     "prefill_body",
     "prefill_params",
     "render_path",
     "rendered_request",
     "reusable_tokens",
+    "token_prefill_body",
     "with_prompt_ids",
 ]
 
@@ -33,7 +33,7 @@ PROMPT_IDS_KEY = "prompt_token_ids"
 # Asks our connector on decode to retain a request's blocks when it finishes (a decode-local turn, or a decode
 # hop without prefill's params).
 RETAIN_KEY = "agentkv_retain"
-GENERATE_PATH = "/inference/v1/generate"
+TOKEN_PREFILL_PATH = "/v1/completions"
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
     "/v1/completions": "/v1/completions/render",
@@ -151,13 +151,22 @@ def rendered_request(answer: Any) -> dict[str, Any] | None:
     return answer
 
 
-def generate_body(rendered: dict[str, Any], *, kv_params: dict[str, Any], request_id: str) -> dict[str, Any]:
-    """Prefill's tokens-in request: the rendered ids and sampling parameters, one output token, P's params.
+def token_prefill_body(rendered: dict[str, Any], *, model: Any, kv_params: dict[str, Any]) -> dict[str, Any]:
+    """Prefill's tokens-in request: `/v1/completions` with the rendered ids as the prompt (vLLM applies no
+    template and no tokenizer to an id prompt), one output token, P's params.
 
-    The render's own `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill
-    computed, so sharing it under the client's salt is what a single vLLM server does."""
-    sampling = dict(rendered["sampling_params"])
-    sampling.update(max_tokens=1, min_tokens=0)
-    out = {k: v for k, v in rendered.items() if k not in ("stream", "stream_options", "sampling_params")}
-    out.update(sampling_params=sampling, stream=False, request_id=request_id, kv_transfer_params=kv_params)
+    Not vLLM's `/inference/v1/generate`: 0.26 accepts `kv_transfer_params` there but never hands them to the
+    engine (0.32 does), so prefill would not keep its blocks for decode and decode would recompute. The
+    render's `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill computed, so
+    sharing it under the client's salt is what a single vLLM server does."""
+    out: dict[str, Any] = {
+        "model": model,
+        "prompt": rendered["token_ids"],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+        KV_KEY: kv_params,
+    }
+    if rendered.get("cache_salt") is not None:
+        out["cache_salt"] = rendered["cache_salt"]
     return out

@@ -209,8 +209,10 @@ def _prompt_text(body: dict[str, Any]) -> str:
 
 
 def count_prompt_tokens(body: dict[str, Any], *, chars_per_token: int) -> int:
-    # Token ids when the request carries them: tokens in (/inference/v1/generate), or forwarded to decode.
-    ids = body.get("token_ids") or (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+    # Token ids when the request carries them: an id prompt (tokens in), or ids forwarded to decode.
+    prompt = body.get("prompt")
+    ids = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
+    ids = ids or body.get("token_ids") or (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
     if isinstance(ids, list) and ids:
         return len(ids)
     return max(1, math.ceil(len(_prompt_text(body)) / chars_per_token))

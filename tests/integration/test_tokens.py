@@ -1,8 +1,8 @@
 """Tokens between the router and the engines, on the real CPU cluster (1P1D, our connector).
 
-The router renders each turn once (prefill's `/v1/chat/completions/render`), sends prefill token ids
-(`/inference/v1/generate`) and forwards them to decode in `kv_transfer_params.prompt_token_ids`, and checks
-reuse on token ids, which see what the chat template renders beyond the messages (tools, template kwargs).
+The router renders each turn once (prefill's `/v1/chat/completions/render`), sends prefill the token ids
+(`/v1/completions` with an id prompt), forwards them to decode in `kv_transfer_params.prompt_token_ids`, and
+checks reuse on token ids, which see what the chat template renders beyond the messages (tools, kwargs).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) 
     return ids
 
 
-def _generate_requests(prefill_url: str) -> float:
-    return metric(f"{prefill_url}/metrics", "http_requests_total", handler="/inference/v1/generate")
+def _requests(prefill_url: str, handler: str) -> float:
+    return metric(f"{prefill_url}/metrics", "http_requests_total", handler=handler)
 
 
 def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
@@ -47,7 +47,7 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     p_url = cluster.prefills[0].spec.url
     script = conversation_script(31, 3)
     cid = new_id("tokens")
-    before = _generate_requests(p_url)
+    before = {h: _requests(p_url, h) for h in ("/v1/completions", "/v1/chat/completions")}
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -57,8 +57,10 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
         assert on.headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), on.headers
         assert_agrees_up_to_rounding(on, off)
         history.append({"role": "assistant", "content": on.text})
-    # Every prefill hop of both routers went to the tokens-in route (the render is the turn's only one).
-    assert _generate_requests(p_url) - before == 2 * len(script)
+    # Every prefill hop of both routers took the ids as a prompt (the render is the turn's only one); none
+    # sent prefill the messages to render again.
+    assert _requests(p_url, "/v1/completions") - before["/v1/completions"] == 2 * len(script)
+    assert _requests(p_url, "/v1/chat/completions") == before["/v1/chat/completions"]
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:

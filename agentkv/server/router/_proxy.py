@@ -14,16 +14,16 @@ from starlette.responses import Response
 from agentkv._constants import H_LEASE_EXPIRES_IN
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import (
-    GENERATE_PATH,
     KV_KEY,
+    TOKEN_PREFILL_PATH,
     decode_body,
     decode_local_body,
-    generate_body,
     prefill_body,
     prefill_params,
     render_path,
     rendered_request,
     reusable_tokens,
+    token_prefill_body,
 )
 
 from ._backend import BackendState
@@ -209,9 +209,9 @@ class TurnRunner:
         retained = record.retained if record is not None and turn.path == "pull" else None
         if turn.rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
-            path = GENERATE_PATH
-            body = generate_body(
-                turn.rendered, kv_params=prefill_params(retained), request_id=turn.request_id
+            path = TOKEN_PREFILL_PATH
+            body = token_prefill_body(
+                turn.rendered, model=turn.body.get("model"), kv_params=prefill_params(retained)
             )
             first = turn.render_prefill
             pool = [p for p in book.prefill if p.renders]

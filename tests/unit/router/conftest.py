@@ -137,11 +137,10 @@ class FakeEngines:
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
-        if path.endswith("/render") or path == "/inference/v1/generate":
+        if path.endswith("/render"):
             if not self.renders:
                 return httpx.Response(404, json={"detail": "Not Found"})
-            if path.endswith("/render"):
-                return self._render(path, body)
+            return self._render(path, body)
         return self._complete(host, request.headers["x-request-id"], path, body)
 
     def _render(self, path: str, body: dict[str, Any]) -> httpx.Response:

@@ -9,7 +9,7 @@ import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._wire import generate_body, rendered_request
+from agentkv._wire import rendered_request, token_prefill_body
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 
@@ -17,7 +17,7 @@ from .conftest import FakeEngines, render_ids, store_of
 
 CHAT = "/v1/chat/completions"
 RENDER = "/v1/chat/completions/render"
-GENERATE = "/inference/v1/generate"
+CMPL = "/v1/completions"
 USER1 = [{"role": "user", "content": "list the files"}]
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
 
@@ -44,13 +44,13 @@ async def test_a_turn_is_rendered_once_prefill_takes_ids_and_decode_gets_them(
     assert float(r1.headers["x-agentkv-render-ms"]) >= 0
     assert (r1.headers["x-agentkv-reuse"], r2.headers["x-agentkv-reuse"]) == ("miss", "hit")
     renders = [b for b, _ in engines.requests("p", RENDER)]
-    generates = [b for b, _ in engines.requests("p", GENERATE)]
-    assert len(renders) == len(generates) == 2 and not engines.requests("p", CHAT)
+    prefills = [b for b, _ in engines.requests("p", CMPL)]
+    assert len(renders) == len(prefills) == 2 and not engines.requests("p", CHAT)
     ids2 = render_ids(renders[1])
-    assert generates[1]["token_ids"] == ids2
-    assert generates[1]["sampling_params"]["max_tokens"] == 1 and generates[1]["stream"] is False
-    assert generates[1]["kv_transfer_params"]["remote_engine_id"] == "D0-ENGINE"  # decode's retained params
-    assert generates[0]["kv_transfer_params"]["remote_block_ids"] is None
+    assert prefills[1]["prompt"] == ids2 and prefills[1]["model"] == "tiny"
+    assert prefills[1]["max_tokens"] == 1 and prefills[1]["stream"] is False
+    assert prefills[1]["kv_transfer_params"]["remote_engine_id"] == "D0-ENGINE"  # decode's retained params
+    assert prefills[0]["kv_transfer_params"]["remote_block_ids"] is None
     assert not engines.requests("d", RENDER)
     d_bodies = engines.completions("d")
     assert d_bodies[1]["kv_transfer_params"]["prompt_token_ids"] == ids2
@@ -67,7 +67,7 @@ async def test_decode_before_0_32_is_not_sent_ids_it_would_ignore(engines: FakeE
     assert r.status_code == 200
     [d_body] = engines.completions("d")
     assert "prompt_token_ids" not in d_body["kv_transfer_params"]
-    assert engines.requests("p", GENERATE)  # prefill still takes tokens: 0.26 serves the route
+    assert engines.requests("p", CMPL)  # prefill still takes tokens: an id prompt works on every release
 
 
 async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(
@@ -82,7 +82,7 @@ async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match
             r1 = await chat(client, USER1)
             r2 = await chat(client, then(USER1, r1), tools=TOOLS)
         assert r2.headers["x-agentkv-reuse"] == verdict, tokens
-        p_bodies = [b for path in (CHAT, GENERATE) for b, _ in engines.requests("p", path)]
+        p_bodies = [b for path in (CHAT, CMPL) for b, _ in engines.requests("p", path)]
         p_params = [b["kv_transfer_params"] for b in p_bodies]
         sent_retained = any(p.get("remote_engine_id") == "D0-ENGINE" for p in p_params)
         assert sent_retained is (verdict == "hit")
@@ -115,7 +115,7 @@ async def test_engines_without_the_render_api_are_served_text_and_not_asked_agai
     assert r2.headers["x-agentkv-reuse"] == "hit"  # the message guard, as before
     # One refused render per prefill that was tried, then text only.
     assert len(engines.requests("p", RENDER)) == 2
-    assert len(engines.requests("p", CHAT)) == 2 and not engines.requests("p", GENERATE)
+    assert len(engines.requests("p", CHAT)) == 2 and not engines.requests("p", CMPL)
 
 
 async def test_a_body_the_renderer_rejects_is_the_clients_400_and_stores_nothing(
@@ -170,15 +170,21 @@ def test_records_round_trip_the_token_fingerprint() -> None:
     assert ConversationRecord.from_json(old).tokens is None
 
 
-def test_generate_body_keeps_the_render_and_asks_for_one_token() -> None:
+def test_token_prefill_body_is_an_id_prompt_for_one_token() -> None:
     rendered = rendered_request(
-        {"token_ids": [5, 6], "sampling_params": {"max_tokens": 50, "temperature": 0}, "stream": True}
+        {"token_ids": [5, 6], "sampling_params": {"max_tokens": 50}, "stream": True, "cache_salt": "s1"}
     )
     assert rendered is not None
-    body = generate_body(rendered, kv_params={"do_remote_decode": True}, request_id="agentkv-1")
-    assert body["token_ids"] == [5, 6] and body["stream"] is False and body["request_id"] == "agentkv-1"
-    assert body["sampling_params"] == {"max_tokens": 1, "min_tokens": 0, "temperature": 0}
-    assert rendered["sampling_params"]["max_tokens"] == 50  # the render is not changed
+    body = token_prefill_body(rendered, model="tiny", kv_params={"do_remote_decode": True})
+    assert body == {
+        "model": "tiny",
+        "prompt": [5, 6],
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+        "cache_salt": "s1",
+    }
     assert rendered_request([rendered, rendered]) is None  # several prompts: the text path
     assert rendered_request({"token_ids": [1, -2], "sampling_params": {}}) is None
     assert rendered_request({"token_ids": [1], "sampling_params": {}, "features": {"mm": 1}}) is None
