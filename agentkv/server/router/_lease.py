@@ -75,10 +75,10 @@ class LeaseClient:
         messages (vLLM >= 0.32), from its `/version`; older ones would only carry the ids along unused."""
         if decode.takes_ids is None:
             resp = await self._call("GET", f"{decode.backend.url}/version")
-            data = _json(resp) if resp is not None and resp.status_code == 200 else None
-            release = _release(data.get("version")) if data is not None else None
-            if release is not None:
-                decode.takes_ids = release >= (0, 32)
+            if resp is not None:  # an answer without a usable version is a no; no answer asks again later
+                data = _json(resp) if resp.status_code == 200 else None
+                release = _release(data.get("version")) if data is not None else None
+                decode.takes_ids = release is not None and release >= (0, 32)
         return bool(decode.takes_ids)
 
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:

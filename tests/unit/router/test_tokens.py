@@ -188,3 +188,14 @@ def test_token_prefill_body_is_an_id_prompt_for_one_token() -> None:
     assert rendered_request([rendered, rendered]) is None  # several prompts: the text path
     assert rendered_request({"token_ids": [1, -2], "sampling_params": {}}) is None
     assert rendered_request({"token_ids": [1], "sampling_params": {}, "features": {"mm": 1}}) is None
+
+
+async def test_a_decode_without_a_version_gets_no_ids_and_is_asked_once(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders, engines.version = True, "not-a-version"
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1)
+        await chat(client, then(USER1, r1))
+    assert all("prompt_token_ids" not in b["kv_transfer_params"] for b in engines.completions("d"))
+    assert len(engines.requests("d0", "/version")) == 1
