@@ -12,6 +12,7 @@ from typing import Any
 
 __all__ = [
     "KV_KEY",
+    "OFFER_DECODED_KEY",
     "PROMPT_IDS_KEY",
     "RETAIN_KEY",
     "TOKEN_PREFILL_PATH",
@@ -33,6 +34,10 @@ PROMPT_IDS_KEY = "prompt_token_ids"
 # Asks our connector on decode to retain a request's blocks when it finishes (a decode-local turn, or a decode
 # hop without prefill's params).
 RETAIN_KEY = "agentkv_retain"
+# Tells our connector on decode whether to offer the KV it computed itself (the last prompt token and the
+# answer) beside the prefill-computed prompt. The router sets it on every decode hop (true unless exact), so
+# one router setting decides; without it the connector's `agentkv_offer_decoded` config applies.
+OFFER_DECODED_KEY = "agentkv_offer_decoded"
 TOKEN_PREFILL_PATH = "/v1/completions"
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
@@ -82,6 +87,7 @@ def decode_body(
     *,
     cache_salt: str | None = None,
     prompt_ids: list[int] | None = None,
+    offer_decoded: bool | None = None,
 ) -> dict[str, Any]:
     out = dict(body)
     if cache_salt is not None:
@@ -89,13 +95,21 @@ def decode_body(
         # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
         out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
-    out[KV_KEY] = with_prompt_ids(dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}, prompt_ids)
+    params = with_prompt_ids(dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}, prompt_ids)
+    if offer_decoded is not None:
+        params[OFFER_DECODED_KEY] = offer_decoded
+    out[KV_KEY] = params
     return out
 
 
-def decode_local_body(body: dict[str, Any], *, prompt_ids: list[int] | None = None) -> dict[str, Any]:
+def decode_local_body(
+    body: dict[str, Any], *, prompt_ids: list[int] | None = None, offer_decoded: bool | None = None
+) -> dict[str, Any]:
     # A non-empty params dict makes a bidirectional decode retain its blocks when the request finishes.
-    return {**body, KV_KEY: with_prompt_ids({RETAIN_KEY: True}, prompt_ids)}
+    params = with_prompt_ids({RETAIN_KEY: True}, prompt_ids)
+    if offer_decoded is not None:
+        params[OFFER_DECODED_KEY] = offer_decoded
+    return {**body, KV_KEY: params}
 
 
 def with_prompt_ids(params: dict[str, Any], prompt_ids: list[int] | None) -> dict[str, Any]:

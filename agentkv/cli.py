@@ -239,7 +239,9 @@ def router(
     path_policy: Annotated[str | None, typer.Option(help="auto | always-pd | always-local")] = None,
     exact: Annotated[
         bool | None,
-        typer.Option(help="Answers bit-identical to a recompute (off: decode's own KV too, faster)."),
+        typer.Option(
+            help="Answers bit-identical to a recompute (default off: prefix-cache semantics, faster)."
+        ),
     ] = None,
     prefix_guard: Annotated[
         bool | None, typer.Option(help="Router-side history check (the connector checks tokens too).")

@@ -176,7 +176,9 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
         urls = {"prefill_url": cluster.prefills[0].spec.url, "decode_url": cluster.decodes[0].spec.url}
         # The baseline is always exact: an independent recompute that reads nothing decode computed.
         on = router_server(port=21601, log_dir=logs / "on", path_policy="always-pd", exact=args.exact, **urls)
-        off = router_server(port=21602, log_dir=logs / "off", path_policy="always-pd", reuse=False, **urls)
+        off = router_server(
+            port=21602, log_dir=logs / "off", path_policy="always-pd", reuse=False, exact=True, **urls
+        )
         with on, off:  # ServerProcess starts on enter and waits until healthy
             on_url, off_url = (s.health_url.removesuffix("/health") for s in (on, off))
             model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]

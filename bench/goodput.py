@@ -13,8 +13,8 @@ Legs (each on freshly started engines; ``on`` and ``exact`` share one cluster, e
 
 * ``off``: 1P1D, ``bidirectional_kv_xfer`` false, router ``reuse`` off: every turn recomputes on P.
 * ``floor``: ``off`` with prefill's own prefix cache on (P keeps what it can of earlier turns itself).
-* ``on``: 1P1D with reuse, router ``exact=false`` (decode's own KV and decode-local turns allowed).
-* ``exact``: the same cluster, router ``exact=true`` (the router's default: only prefill-computed KV).
+* ``on``: 1P1D with reuse, the router's default (``exact=false``: decode's own KV and decode-local turns).
+* ``exact``: the same cluster, router ``exact=true`` (only prefill-computed KV, bit-identical answers).
 * ``agg``: one vLLM server with prefix caching, no P/D, ``--agg-engine-arg`` (give it the memory of P + D);
   clients talk to it directly (no router; the session header is sent and ignored).
 
@@ -140,13 +140,13 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def router_settings(leg: str, path_policy: str, extra: Sequence[str]) -> dict[str, Any]:
-    """The router's settings in a P/D leg: reuse only in ``on`` and ``exact``, ``exact=false`` only in
-    ``on``; ``extra`` (``KEY=VALUE``) wins."""
+    """The router's settings in a P/D leg: reuse only in ``on`` and ``exact``, ``exact=true`` only in
+    ``exact`` (OFF is stock P/D: decode keeps its prefix cache); ``extra`` (``KEY=VALUE``) wins."""
     if leg not in ("off", "floor", "on", "exact"):
         raise ValueError(f"leg {leg!r} has no router")
     settings: dict[str, Any] = {
         "reuse": leg in ("on", "exact"),
-        "exact": leg != "on",
+        "exact": leg == "exact",
         "path_policy": path_policy,
     }
     settings.update(dict(item.split("=", 1) for item in extra))

@@ -3,10 +3,12 @@
     python -m bench.multiturn_sweep                         # CPU, tiny model, small lengths
     python -m bench.multiturn_sweep --device gpu --model /root/model --lengths 2048,8192,16384,24576
 
-Two legs, each on its own freshly started 1P1D cluster: OFF (``bidirectional_kv_xfer`` false on both servers,
-router reuse off) and ON (true on both, reuse on). Prefill runs without prefix caching in both legs (the
-cache-eviction case the published benchmark emulates), so every reused token comes from decode. A third,
-optional leg ``floor`` measures what reuse can at best achieve: OFF with prefill's own prefix cache on, so
+Legs, each on its own freshly started 1P1D cluster: ``off`` (``bidirectional_kv_xfer`` false on both servers,
+router reuse off), ``on`` (true on both, reuse on, the router's default ``exact=false``) and ``exact`` (as
+``on`` with ``exact=true``: only prefill-computed KV reused, answers bit-identical to a recompute).
+Prefill runs without prefix caching in every leg (the cache-eviction case the published benchmark
+emulates), so every reused token comes from decode. A further, optional leg ``floor`` measures what
+reuse can at best achieve: OFF with prefill's own prefix cache on, so
 turn N's prefill computes only what is new since turn N-1, over the same context, with no transfer (it
 computes up to one block more than ON, whose reuse also covers the previous prompt's partial last block).
 
@@ -309,7 +311,7 @@ def run_leg(
 
 
 # Legs whose router reuses decode's KV (the engines run with bidirectional transfer).
-REUSE_LEGS = ("on", "on-inexact")
+REUSE_LEGS = ("on", "exact")
 
 
 def start_leg(args: argparse.Namespace, leg: str) -> Any:
@@ -342,11 +344,11 @@ def start_leg_router(args: argparse.Namespace, cluster: Any, leg: str, shape: st
     from agentkv.server._launcher import start_router
 
     policy = "always-pd" if shape == "published" else "auto"
-    # The router's default is exact (answers bit-identical to a recompute); the inexact leg lets decode serve
-    # what it holds from its own prefix cache, as vLLM's prefix cache does.
-    flags = ["--path-policy", policy, "--no-exact" if leg == "on-inexact" else "--exact"]
+    # `on` is the router's default (vLLM's prefix-cache semantics: decode serves what it holds from its own
+    # prefix cache); `exact` makes every answer bit-identical to a recompute.
+    flags = ["--path-policy", policy, "--exact" if leg == "exact" else "--no-exact"]
     return start_router(
-        port=args.port_base + {"on": 1, "off": 2, "on-inexact": 4}.get(leg, 3),
+        port=args.port_base + {"on": 1, "off": 2, "exact": 4}.get(leg, 3),
         prefill=[cluster.prefills[0].spec.url],
         decode=[cluster.decodes[0].spec.url],
         log=Path(args.log_dir) / f"router-{leg}-{shape}.log",
@@ -363,7 +365,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
         if shape == "agentic" and label != "suffix":
             continue
         entry: dict[str, Any] = {"target_tokens": target, "label": label}
-        for leg in ("off", "on", "on-inexact", "floor"):
+        for leg in ("off", "on", "exact", "floor"):
             rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
             if not rs:
                 continue
@@ -538,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--legs",
         default="off,on",
-        help="off, on (exact), on-inexact, floor (OFF with prefill's prefix cache on)",
+        help="off, on (the router's default), exact (bit-identical), floor (OFF, prefill prefix cache)",
     )
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag (repeat)")
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")

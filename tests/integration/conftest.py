@@ -79,14 +79,16 @@ def cluster(clusters: Clusters) -> Cluster:
 
 @pytest.fixture(scope="module")
 def router(clusters: Clusters, cluster: Cluster) -> RouterProc:
-    """Reuse ON, P/D path always (decode-local off) so every turn exercises the decode -> prefill pull."""
-    return clusters.router("on", "--path-policy", "always-pd")
+    """Reuse ON in exact mode, P/D path always (decode-local off) so every turn exercises the decode ->
+    prefill pull and its answers can be compared bit for bit with ``router_off``."""
+    return clusters.router("on", "--exact", "--path-policy", "always-pd")
 
 
 @pytest.fixture(scope="module")
 def router_off(clusters: Clusters, cluster: Cluster) -> RouterProc:
-    """Reuse OFF: prefill recomputes every turn (the baseline answers are compared against)."""
-    return clusters.router("off", "--no-reuse", "--path-policy", "always-pd")
+    """Reuse OFF in exact mode: prefill recomputes every turn and decode reads none of its own cache (the
+    baseline answers are compared against)."""
+    return clusters.router("off", "--no-reuse", "--exact", "--path-policy", "always-pd")
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +107,16 @@ def router_off_inexact(clusters: Clusters, cluster: Cluster) -> RouterProc:
 
 @pytest.fixture(scope="module")
 def router_unguarded(clusters: Clusters, cluster: Cluster) -> RouterProc:
-    """Reuse ON with the router's history guard off: our connector's token-exact check alone is in charge."""
-    return clusters.router("unguarded", "--path-policy", "always-pd", "--no-prefix-guard")
+    """Reuse ON (exact) with the router's history guard off: our connector's token-exact check alone is in
+    charge."""
+    return clusters.router("unguarded", "--exact", "--path-policy", "always-pd", "--no-prefix-guard")
+
+
+@pytest.fixture(scope="module")
+def router_default_unguarded(clusters: Clusters, cluster: Cluster) -> RouterProc:
+    """Reuse ON in the default mode (decode offers the KV it decoded too), P/D path always and the router's
+    guard off: our connector's token-exact check alone stands between prefill and KV of other tokens."""
+    return clusters.router("default-unguarded", "--path-policy", "always-pd", "--no-prefix-guard")
 
 
 # When an integration test fails, CI shows only the end of the run's output: put the telling lines of the

@@ -98,7 +98,7 @@ def replicas(
 ) -> Iterator[list[RouterProc]]:
     store = ["--store-url", f"redis://127.0.0.1:{redis_server[1]}/0"]
     rs = [
-        clusters.router(f"r{i}", "--path-policy", "always-pd", *store, env=SHORT, shared=False)
+        clusters.router(f"r{i}", "--exact", "--path-policy", "always-pd", *store, env=SHORT, shared=False)
         for i in range(2)
     ]
     yield rs
@@ -108,7 +108,7 @@ def replicas(
 
 @pytest.fixture(scope="module")
 def off22(clusters: Clusters, cluster22: Cluster) -> RouterProc:
-    return clusters.router("off", "--no-reuse")
+    return clusters.router("off", "--no-reuse", "--exact")
 
 
 def _decode_of(router: RouterProc, cid: str) -> str:

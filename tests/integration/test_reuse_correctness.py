@@ -1,9 +1,13 @@
-"""Issue 5: KV reuse never changes an answer (greedy token ids and their logprobs bit for bit, reuse ON ==
-reuse OFF), on the real engine. The OFF router is exact too, so decode recomputes nothing it held: it is an
-independent recompute, not one that shares decode's prefix cache with the reuse turn.
+"""Reuse never reads KV of other tokens, on the real engine, in both modes.
 
-Two ON routers: the default one (router-side history guard + token-exact check in our prefill connector),
-and one with the router guard off, so the connector's check alone must catch every edited history.
+Exact mode: greedy token ids and their logprobs bit for bit, reuse ON == reuse OFF. The OFF router is exact
+too, so decode recomputes nothing it held: an independent recompute, not one that shares decode's prefix
+cache with the reuse turn. Two exact ON routers: one with the router's token check plus our prefill
+connector's, one with the router's check off, so the connector's alone must catch every edited history.
+
+Default mode (vLLM's prefix-cache semantics): decode also offers the KV it decoded, so reuse of the same
+tokens may round differently from a recompute; KV of other tokens would be far off. Compared by each turn's
+first-token logprob, with the connector's check alone in charge.
 """
 
 from __future__ import annotations
@@ -95,3 +99,37 @@ def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
     assert metric(router_auto.url, "agentkv_path_decisions_total", path="decode-local") >= 1
     same = [on.ids == off.ids for on, off in turns]
     report(f"path choice (not exact): {paths}, token ids equal to OFF: {same}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
+def test_default_mode_reuses_only_the_same_tokens(
+    case: Callable[..., None],
+    cluster: Cluster,
+    router_default_unguarded: RouterProc,
+    router_off: RouterProc,
+    report: Callable[[str], None],
+) -> None:
+    """Each turn's first-token logprob equals the exact recompute's up to bf16 rounding, as long as the two
+    runs saw the same history (a flipped greedy token makes the histories differ from there on); every
+    edited history is caught by the connector; reuse happens, decoded tokens included."""
+    ps = cluster.prefills[0].spec.service_url
+    assert ps
+    script = conversation_script(100 + CASES.index(case), 3)
+    off, _ = run_case(case, router_off.url, script)
+    before = service_info(ps)["stats"]
+    on, reuse = run_case(case, router_default_unguarded.url, script)
+    after = service_info(ps)["stats"]
+    compared = 0
+    for (_, on_ids, on_lp, _), (_, off_ids, off_lp, _) in zip(on, off, strict=True):
+        assert abs(on_lp[0] - off_lp[0]) < 0.05, (case.__name__, compared, on_lp[:3], off_lp[:3])
+        compared += 1
+        if on_ids != off_ids:
+            break  # the next prompt differs from the baseline's: nothing left to compare it with
+    assert "hit" in reuse
+    if case.__name__ in DIVERGING:
+        assert after["refused_mismatch"] > before["refused_mismatch"]
+    same = sum(a[1] == b[1] for a, b in zip(on, off, strict=True))
+    report(
+        f"default mode {case.__name__}: {reuse}, pulled {after['tokens_pulled'] - before['tokens_pulled']} "
+        f"tokens, first logprob compared on {compared} turns, token ids equal on {same}/{len(on)}"
+    )

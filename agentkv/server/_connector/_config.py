@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ConnectorSettings"]
+from agentkv._wire import OFFER_DECODED_KEY
+
+__all__ = ["ConnectorSettings", "offers_decoded"]
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -32,6 +34,7 @@ class ConnectorSettings:
     require_fingerprints: bool = False  # refuse pulls whose params carry no block fingerprints
     # Also offer what decode computed itself (the last prompt token, the generated tokens): a few more
     # tokens reused per turn, but not bit-identical to a recompute (see _hashing.prefill_computed_tokens).
+    # The default for requests that do not say (our router says on every decode hop: OFFER_DECODED_KEY).
     offer_decoded: bool = False
     progress_delay_us: int = 1000  # NIXL progress thread sleep; vLLM/NIXL hard-code 0 (a busy core)
     restore_affinity: bool = True
@@ -96,3 +99,10 @@ class ConnectorSettings:
         """Blocks leases may hold on a decode with ``num_blocks`` KV blocks."""
         cap = int(self.max_retained_fraction * num_blocks)
         return cap if self.max_retained_blocks is None else min(cap, self.max_retained_blocks)
+
+
+def offers_decoded(params: dict[str, Any] | None, *, default: bool) -> bool:
+    """Whether decode offers the KV it computed itself for this request: the router's per-request word
+    (`OFFER_DECODED_KEY`, a real bool only) over the connector's configured default."""
+    asked = (params or {}).get(OFFER_DECODED_KEY)
+    return asked if isinstance(asked, bool) else default

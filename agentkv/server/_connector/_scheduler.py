@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer
-from agentkv.server._connector._config import ConnectorSettings
+from agentkv.server._connector._config import ConnectorSettings, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
     block_fingerprints,
@@ -217,7 +217,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         delay, params = super().request_finished(request, block_ids)
         if delay and params and params.get("do_remote_decode") and self.is_decode:
             n = int(params.get("remote_num_tokens") or 0)
-            if not self.agentkv.offer_decoded:
+            if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
                 n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
                 params.update(cut_offer(params, n, self.block_size))
             params[FINGERPRINTS_KEY] = block_fingerprints(

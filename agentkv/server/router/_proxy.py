@@ -193,7 +193,11 @@ class TurnRunner:
     async def _decode_local(self, turn: Turn, decode: BackendState) -> tuple[httpx.Response, BackendState]:
         turn.reuse = "local"
         try:
-            body = decode_local_body(turn.body, prompt_ids=turn.prompt_ids if turn.forward_ids else None)
+            body = decode_local_body(
+                turn.body,
+                prompt_ids=turn.prompt_ids if turn.forward_ids else None,
+                offer_decoded=not self._s.exact,
+            )
             return await self._open_decode(turn, body, first=decode, failover=False)
         except APIStatusError as exc:
             if exc.status_code != 503:
@@ -254,7 +258,7 @@ class TurnRunner:
         kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
         ids = turn.prompt_ids if turn.forward_ids else None
-        body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids)
+        body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids, offer_decoded=not self._s.exact)
         return await self._open_decode(turn, body, first=decode)
 
     async def _open_decode(

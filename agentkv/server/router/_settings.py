@@ -87,11 +87,14 @@ class RouterSettings(BaseSettings):
     # the ids, decode gets them forwarded, reuse is checked on them. Engines without vLLM's render API
     # (`--enable-scale-out` on 0.32+) are served text as before.
     tokens: bool = True
-    # Every answer equals a recompute's bit for bit: only KV that a prefill computed is reused. Decode's own
-    # prefix cache is kept out of decode hops (a per-turn `cache_salt`, so decode loads the whole prompt from
-    # prefill), and decode-local turns are off, since both would reuse KV decode computed one token at a
-    # time, which rounds differently (docs/architecture.md, "Exactness"). False trades that for speed.
-    exact: bool = True
+    # Off (the default): vLLM's own prefix-cache semantics. Only KV of exactly the same token prefix is reused
+    # (token ids checked here, block fingerprints on prefill), including KV decode computed itself: decode
+    # keeps its prefix cache (prefill sends only what it lacks), offers its answer's KV, and short suffixes
+    # may run decode-local. Answers equal a recompute up to rounding, as with vLLM's prefix cache.
+    # On: every answer equals a recompute bit for bit. Only KV a prefill computed is reused: each decode hop
+    # gets a fresh `cache_salt` (decode loads the whole prompt from prefill), decode offers the prompt alone,
+    # no decode-local turns (docs/architecture.md, "Exactness"; what it costs: docs/findings.md).
+    exact: bool = False
     path_policy: PathPolicy = "auto"
     decode_local_max_tokens: int = Field(default=512, ge=0)
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)

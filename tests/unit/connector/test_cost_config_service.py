@@ -1,6 +1,7 @@
 import pytest
 
-from agentkv.server._connector._config import ConnectorSettings
+from agentkv._wire import OFFER_DECODED_KEY
+from agentkv.server._connector._config import ConnectorSettings, offers_decoded
 from agentkv.server._connector._cost import PullCostModel, _DecayedLine
 from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._service import RetentionService, render_metrics
@@ -35,6 +36,16 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
     assert ConnectorSettings.from_extra(None).service_port is None
     assert ConnectorSettings.from_extra(None).offer_decoded is False  # exact offers unless asked
     assert ConnectorSettings.from_extra({"agentkv_offer_decoded": "true"}).offer_decoded is True
+
+
+def test_the_routers_word_on_a_request_decides_what_decode_offers() -> None:
+    for default in (False, True):
+        assert offers_decoded({OFFER_DECODED_KEY: True}, default=default) is True
+        assert offers_decoded({OFFER_DECODED_KEY: False}, default=default) is False
+        # Nothing said (a proxy of someone else's), or not a bool: the configured default.
+        assert offers_decoded({"do_remote_decode": True}, default=default) is default
+        assert offers_decoded(None, default=default) is default
+        assert offers_decoded({OFFER_DECODED_KEY: "yes"}, default=default) is default
     with pytest.raises(ValueError):
         ConnectorSettings.from_extra({"agentkv_prefix_check": "maybe"})
     with pytest.raises(ValueError):

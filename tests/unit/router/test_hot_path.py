@@ -49,7 +49,7 @@ async def test_stream_bookkeeping_runs_after_the_last_byte_and_holds_the_lock(en
     engines.reply = lambda body: {"content": "one two"}
     log: list[str] = []
     second: list[asyncio.Task[httpx.Response]] = []
-    follow_up = [*USER1, {"role": "assistant", "content": "one two "}, {"role": "user", "content": "more"}]
+    follow_up = [*USER1, {"role": "assistant", "content": "one two"}, {"role": "user", "content": "more"}]
 
     def start_second_turn() -> None:
         if not second:

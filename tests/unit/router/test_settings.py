@@ -57,7 +57,10 @@ def test_from_file_toml_and_json_with_overrides(tmp_path) -> None:
         ({"prefill": ["p:1"], "decode": ["d:1"], "path_policy": "sometimes"}, "path_policy"),
         ({"prefill": ["p:1"], "decode": ["d:1"], "store_url": "memcached://x"}, "redis://"),
         ({"prefill": ["p:1"], "decode": ["d:1"], "lease_s": 700}, "max_lease_s"),
-        ({"prefill": ["p:1"], "decode": ["d:1"], "path_policy": "always-local"}, "needs exact=false"),
+        (
+            {"prefill": ["p:1"], "decode": ["d:1"], "path_policy": "always-local", "exact": True},
+            "needs exact=false",
+        ),
     ],
 )
 def test_readable_validation_errors(values: dict, message: str) -> None:

@@ -10,6 +10,8 @@ from typing import Any
 
 import httpx
 
+from agentkv._wire import OFFER_DECODED_KEY
+
 from .conftest import FakeEngines, store_of
 
 CHAT = "/v1/chat/completions"
@@ -108,20 +110,33 @@ async def test_stock_decode_of_unknown_block_size_is_not_pulled(engines: FakeEng
 
 
 async def test_exact_mode_keeps_decodes_own_prefix_cache_out(engines: FakeEngines, make_client) -> None:
-    async with make_client() as client:  # exact is the default
+    async with make_client(exact=True) as client:
         first = (await chat(client, USER1, cache_salt="tenant-a")).json()
         r = await chat(client, next_messages(USER1, first), cache_salt="tenant-a")
     assert r.headers["x-agentkv-reuse"] == "hit"
     # Decode gets a salt no earlier request had, so it loads every prompt token from prefill...
     salts = [b["cache_salt"] for b in engines.completions("d0")]
     assert len(set(salts)) == 2 and "tenant-a" not in salts
+    # ... and is told to offer only the prompt's KV, which a prefill computed...
+    assert [b["kv_transfer_params"][OFFER_DECODED_KEY] for b in engines.completions("d0")] == [False, False]
     # ... while prefill keeps the client's salt (its own prefix cache holds only prefill-computed KV).
     assert [b["cache_salt"] for b in engines.completions("p")] == ["tenant-a", "tenant-a"]
 
 
+async def test_default_mode_lets_decode_use_and_offer_its_own_kv(engines: FakeEngines, make_client) -> None:
+    # vLLM's prefix-cache semantics: decode serves what it holds from its own cache (no salt of ours; the
+    # client's is kept, as a single vLLM server keeps it) and offers its answer's KV for the next pull.
+    async with make_client() as client:
+        first = (await chat(client, USER1, cache_salt="tenant-a")).json()
+        r = await chat(client, next_messages(USER1, first), cache_salt="tenant-a")
+    assert r.headers["x-agentkv-reuse"] == "hit"
+    assert [b["cache_salt"] for b in engines.completions("d0")] == ["tenant-a", "tenant-a"]
+    assert [b["kv_transfer_params"][OFFER_DECODED_KEY] for b in engines.completions("d0")] == [True, True]
+
+
 async def test_exact_mode_pulls_nothing_from_a_stock_decode(engines: FakeEngines, make_client) -> None:
     engines.d_fingerprints = False  # stock vLLM offers its generated tokens' KV too, which it computed itself
-    async with make_client() as client:
+    async with make_client(exact=True) as client:
         first = (await chat(client, USER1)).json()
         r = await chat(client, next_messages(USER1, first))
         assert r.headers["x-agentkv-reuse"] == "miss"
@@ -531,7 +546,10 @@ async def test_decode_local_path_skips_prefill(engines: FakeEngines, make_client
     assert r.headers["x-agentkv-path"] == "decode-local" and r.headers["x-agentkv-reuse"] == "local"
     assert 0 < int(r.headers["x-agentkv-reused-tokens"]) <= r.json()["usage"]["prompt_tokens"]
     assert len(engines.completions("p")) == 1
-    assert engines.completions("d0")[1]["kv_transfer_params"] == {"agentkv_retain": True}
+    assert engines.completions("d0")[1]["kv_transfer_params"] == {
+        "agentkv_retain": True,
+        OFFER_DECODED_KEY: True,
+    }
     # The previous turn's blocks are superseded by this turn's: released, not left pinned.
     assert len(engines.released) == 1
 
