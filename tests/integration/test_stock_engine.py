@@ -88,7 +88,7 @@ def _router(
         name,
         "--path-policy",
         "always-pd",
-        *([] if exact else ["--no-exact"]),
+        "--exact" if exact else "--no-exact",
         *args,
         ready_s=300,
         env={**STOCK_ROUTER_ENV, "AGENTKV_VLLM_FIXED_TTL_S": str(ttl_s)},
@@ -168,7 +168,7 @@ def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
 
 
 def test_exact_router_pulls_nothing_from_a_stock_decode(clusters: Clusters, stock_off: RouterProc) -> None:
-    # The default router: a stock decode's offer ends with KV it computed itself, so it is never pulled.
+    # An exact router: a stock decode's offer ends with KV it computed itself, so it is never pulled.
     exact = _router(clusters, "exact", exact=True, shared=False)
     try:
         cid = new_id("exact")
