@@ -429,14 +429,15 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             out_dir / f"ttft_vs_length_{doc['data']['shape']}.png",
             title=f"TTFT vs prompt length ({tag})",
             series={
-                "reuse OFF": (xs, [s.get("ttft_ms_off") or 0 for s in summary]),
-                "reuse ON": (xs, [s.get("ttft_ms_on") or 0 for s in summary]),
-            }
-            | (
-                {"floor (prefill cache warm)": (xs, [s.get("ttft_ms_floor") or 0 for s in summary])}
-                if any(s.get("ttft_ms_floor") for s in summary)
-                else {}
-            ),
+                label: (xs, [s.get(f"ttft_ms_{leg}") or 0 for s in summary])
+                for leg, label in (
+                    ("off", "reuse OFF"),
+                    ("on", "reuse ON"),
+                    ("exact", "reuse ON, exact"),
+                    ("floor", "floor (prefill cache warm)"),
+                )
+                if leg in ("off", "on") or any(s.get(f"ttft_ms_{leg}") for s in summary)
+            },
             xlabel="prompt tokens",
             ylabel="TTFT ms (median)",
         )
