@@ -1,0 +1,247 @@
+"""Greedy agreement with a recompute: agentkv's default mode beside a single vLLM server's prefix cache.
+
+    python -m bench.agreement                 # CPU, tiny model: a 1P1D cluster, then one vLLM server (~8 min)
+    python -m bench.agreement --seeds 24      # more conversations
+
+The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
+cached in earlier turns (including KV it computed while decoding), which can round differently from a
+recompute. agentkv's default mode (router ``exact = false``) reuses KV of the same tokens in the same way,
+across P and D. Per seeded conversation (a first message, then two follow-ups, each turn on the history the
+reuse side produced), both sides answer each reuse turn twice:
+
+* P/D: through the default router (reuse ON) and through an exact no-reuse router (an independent
+  recompute: decode reads nothing it cached);
+* one server with prefix caching: with the conversation's cache salt (its earlier turns' KV is reused) and
+  with a fresh salt (nothing is reused).
+
+Reported per side: the share of reuse turns whose greedy token ids equal the recompute's, and the largest
+difference of the first token's logprob. Writes ``agreement.json`` and ``agreement.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
+from bench.multiturn_sweep import FILLER_WORDS
+
+NAME = "agreement"
+Send = Callable[..., dict[str, Any]]
+
+
+def _text(rng: random.Random, lo: int, hi: int) -> str:
+    return " ".join(rng.choice(FILLER_WORDS) for _ in range(rng.randint(lo, hi)))
+
+
+def _sender(url: str, model: str) -> Send:
+    """``send(messages, key)``: one greedy turn; ``key`` is the conversation id (router) or cache salt."""
+
+    def send(messages: list[dict[str, str]], key: str | None, *, salt: bool = False) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": 24,
+            "temperature": 0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
+        }
+        headers = {}
+        if key is not None and salt:
+            body["cache_salt"] = key
+        elif key is not None:
+            headers["x-session-id"] = key
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
+        r.raise_for_status()
+        data = r.json()
+        choice = data["choices"][0]
+        content = choice["logprobs"]["content"]
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        return {
+            "text": choice["message"]["content"] or "",
+            "tokens": [t["token"] for t in content],
+            "first_logprob": content[0]["logprob"] if content else None,
+            "reuse": r.headers.get("x-agentkv-reuse"),
+            "cached_tokens": details.get("cached_tokens"),
+        }
+
+    return send
+
+
+def run_side(
+    side: str, seeds: range, *, reuse: Callable[..., dict[str, Any]], recompute: Callable[..., dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The conversations of one side: ``reuse(messages, key)`` drives them, ``recompute(messages)`` answers
+    each reuse turn again from nothing."""
+    rows = []
+    with make_progress() as progress:
+        task = progress.add_task(side, total=len(seeds))
+        for seed in seeds:
+            rng = random.Random(seed)
+            key = f"agree-{uuid.uuid4().hex[:12]}"
+            history = [{"role": "user", "content": uuid.uuid4().hex + " " + _text(rng, 150, 300)}]
+            answer = reuse(history, key)["text"]
+            for turn in (2, 3):
+                history += [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": _text(rng, 40, 120)},
+                ]
+                on, off = reuse(history, key), recompute(history)
+                answer = on["text"]
+                rows.append(
+                    {
+                        "side": side,
+                        "seed": seed,
+                        "turn": turn,
+                        "reuse": on["reuse"],
+                        "cached_tokens": on["cached_tokens"],
+                        "same_tokens": on["tokens"] == off["tokens"],
+                        "first_logprob_diff": abs(on["first_logprob"] - off["first_logprob"]),
+                    }
+                )
+            progress.advance(task)
+    return rows
+
+
+def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
+    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server._model import tiny_serving
+    from bench._servers import router_server
+
+    cfg = ClusterConfig(
+        model=args.model,
+        prefill_port=21800,
+        decode_port=21900,
+        router_port=None,
+        prefill_prefix_caching=False,
+        max_model_len=4096,
+        log_dir=logs,
+        **tiny_serving(),
+    )
+    cluster = Cluster(config=cfg)
+    cluster.up()
+    try:
+        urls = {"prefill_url": cluster.prefills[0].spec.url, "decode_url": cluster.decodes[0].spec.url}
+        # Every setting at its default (short suffixes go decode-local), and the same forced through a pull
+        # (prefill reads decode's KV, decoded tokens included).
+        on = router_server(port=21801, log_dir=logs / "on", **urls)
+        pull = router_server(port=21803, log_dir=logs / "pull", path_policy="always-pd", **urls)
+        off = router_server(port=21802, log_dir=logs / "off", reuse=False, exact=True, **urls)
+        with on, pull, off:
+            on_url, pull_url, off_url = (s.health_url.removesuffix("/health") for s in (on, pull, off))
+            model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]
+            send_off = _sender(off_url, model)
+
+            def recompute(m: list[dict[str, str]]) -> dict[str, Any]:
+                return send_off(m, None)
+
+            rows = []
+            for side, url in (("P/D default", on_url), ("P/D default, pull", pull_url)):
+                run_side("warm-up", range(1), reuse=_sender(url, model), recompute=recompute)
+                rows += run_side(side, seeds, reuse=_sender(url, model), recompute=recompute)
+            return rows
+    finally:
+        cluster.down()
+
+
+def _single_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
+    from agentkv.server._launcher import Engine, EngineSpec
+    from agentkv.server._model import tiny_serving
+
+    serving = tiny_serving()
+    spec = EngineSpec(
+        role="single",
+        model=args.model,
+        port=21950,
+        max_model_len=4096,
+        prefix_caching=True,
+        tool_call_parser=serving["tool_call_parser"],
+        extra_args=serving["extra_args"],
+        env=serving["env"],
+        log_path=logs / "single.log",
+    )
+    engine = Engine(spec=spec, name="single")
+    engine.start()
+    try:
+        engine.wait_healthy(timeout_s=900)
+        model = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        send = _sender(spec.url, model)
+        return run_side(
+            "single server",
+            seeds,
+            reuse=lambda m, key: send(m, key, salt=True),
+            recompute=lambda m: send(m, uuid.uuid4().hex, salt=True),
+        )
+    finally:
+        engine.stop()
+
+
+def plot(rows: list[dict[str, Any]], out: Path) -> Path:
+    sides = list(dict.fromkeys(r["side"] for r in rows))
+    share = {
+        side: [
+            100.0
+            * sum(r["same_tokens"] for r in rows if r["side"] == side)
+            / max(1, sum(r["side"] == side for r in rows))
+        ]
+        for side in sides
+    }
+    return bar_chart(
+        out / "agreement.png",
+        title="reuse turns whose greedy answer equals a recompute's",
+        labels=["same token ids"],
+        series=share,
+        ylabel="% of reuse turns",
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--model", default=".agentkv/models/tiny")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from agentkv.server._model import ensure_tiny_model
+
+    ensure_tiny_model(Path(args.model))
+    seeds = range(900, 900 + args.seeds)
+    logs = Path(".agentkv/bench-logs/agreement")
+    rows = _pd_side(args, seeds, logs / "pd") + _single_side(args, seeds, logs)
+    summary = {}
+    for side in dict.fromkeys(r["side"] for r in rows):
+        mine = [r for r in rows if r["side"] == side]
+        summary[side] = {
+            "turns": len(mine),
+            "same_tokens": sum(r["same_tokens"] for r in mine),
+            "max_first_logprob_diff": max(r["first_logprob_diff"] for r in mine),
+            "reused": sum(r["reuse"] in ("hit", "local") for r in mine),
+            "paths": sorted({str(r["reuse"]) for r in mine}),
+            "cached_tokens_reported": sum(bool(r["cached_tokens"]) for r in mine),
+        }
+    print_table(
+        "greedy agreement of reuse turns with a recompute",
+        ["side", "reuse turns", "same token ids", "max |d first logprob|", "router: reused (verdicts)"],
+        [
+            [
+                side,
+                s["turns"],
+                s["same_tokens"],
+                s["max_first_logprob_diff"],
+                f"{s['reused']} ({', '.join(s['paths'])})" if side != "single server" else "-",
+            ]
+            for side, s in summary.items()
+        ],
+    )
+    out = results_dir(NAME, args.out)
+    plot(rows, out)
+    write_results(NAME, {"summary": summary, "turns": rows}, out_dir=args.out)
+
+
+if __name__ == "__main__":
+    main()
