@@ -37,6 +37,7 @@ from ._lease import LeaseClient
 from ._metrics import RouterMetrics
 from ._params import strip_client_fields
 from ._proxy import TurnRunner
+from ._services import RouterServices
 from ._settings import RouterSettings
 from ._store import ConversationStore, MemoryStore, StoreUnavailableError
 from ._transport import PooledTransport
@@ -94,7 +95,7 @@ class _Router:
         self.leases = LeaseClient(client=self.client, timeout_s=settings.timeouts.control_s, token=token)
         if store is None:
             store = _make_store(settings)
-        self.book = TurnBook(
+        self.services = RouterServices(
             settings=settings,
             store=store,
             metrics=self.metrics,
@@ -103,11 +104,12 @@ class _Router:
             leases=self.leases,
             hops=Hops(transport=self.transport, metrics=self.metrics, connect_s=settings.timeouts.connect_s),
         )
+        self.book = TurnBook(services=self.services)
         if isinstance(store, MemoryStore) and store.on_evict is None:
             store.on_evict = self.book.release_soon
         self.store = store
-        self.runner = TurnRunner(book=self.book)
-        self.conversations = Conversations(book=self.book)
+        self.runner = TurnRunner(services=self.services, book=self.book)
+        self.conversations = Conversations(services=self.services, book=self.book)
         self.health = HealthChecker(
             client=self.client,
             prefill=self.prefill,

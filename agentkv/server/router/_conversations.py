@@ -9,6 +9,7 @@ from typing import Any
 
 from ._book import TurnBook
 from ._errors import client_error
+from ._services import RouterServices
 from ._store import ConversationRecord
 
 __all__ = ["Conversations"]
@@ -18,11 +19,11 @@ _CAS_ATTEMPTS = 3
 
 
 class Conversations:
-    def __init__(self, *, book: TurnBook) -> None:
-        self._book = book
+    def __init__(self, *, services: RouterServices, book: TurnBook) -> None:
+        self._sv, self._book = services, book
 
     async def _get(self, key: str) -> ConversationRecord:
-        record = await self._book.store.get(key)
+        record = await self._sv.store.get(key)
         if record is None:
             raise client_error(404, "conversation not found", code="conversation_not_found")
         return record
@@ -41,7 +42,7 @@ class Conversations:
         }
 
     async def heartbeat(self, key: str, conversation_id: str, raw: bytes) -> dict[str, Any]:
-        settings = self._book.settings
+        settings = self._sv.settings
         extend_s = settings.lease_s
         if raw.strip():
             try:
@@ -58,26 +59,26 @@ class Conversations:
         for _ in range(_CAS_ATTEMPTS):
             record = await self._get(key)
             state, _left = record.lease_view()
-            decode = self._book.decode.get(record.decode)
+            decode = self._sv.decode.get(record.decode)
             if state != "held" or decode is None:
                 return self.view(conversation_id, record)  # fixed_ttl/expired/none: nothing to renew
-            renewed = await self._book.leases.renew(decode, record.request_id, extend_s)
+            renewed = await self._sv.leases.renew(decode, record.request_id, extend_s)
             now = time.time()
             if renewed is None:
                 # Decode no longer holds the blocks (expired, read, or restarted).
                 updated = dataclasses.replace(record, expires_at=now)
             else:
-                self._book.metrics.lease_renewals.inc()
+                self._sv.metrics.lease_renewals.inc()
                 left = renewed.get("expires_in_s")
                 updated = dataclasses.replace(
                     record, expires_at=now + (float(left) if isinstance(left, (int, float)) else extend_s)
                 )
-            if await self._book.store.compare_and_set(key, updated, expected=record.version):
+            if await self._sv.store.compare_and_set(key, updated, expected=record.version):
                 return self.view(conversation_id, updated)
         raise client_error(409, "conversation is busy; retry the heartbeat", code="conversation_busy")
 
     async def forget(self, key: str, conversation_id: str) -> dict[str, Any]:
-        record = await self._book.store.delete(key)
+        record = await self._sv.store.delete(key)
         if record is None:
             raise client_error(404, "conversation not found", code="conversation_not_found")
         return {"conversation_id": conversation_id, "released": await self._book.release(record)}

@@ -34,6 +34,7 @@ from ._params import strip_kv_json
 from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
+from ._services import RouterServices
 from ._sse import ABORTED, TurnOutput
 from ._store import ConversationRecord, StoreUnavailableError
 from ._turn import Turn
@@ -44,9 +45,9 @@ logger = logging.getLogger("agentkv.router")
 
 
 class TurnRunner:
-    def __init__(self, *, book: TurnBook) -> None:
-        self._book = book
-        self._s = book.settings
+    def __init__(self, *, services: RouterServices, book: TurnBook) -> None:
+        self._sv, self._book = services, book
+        self._s = services.settings
 
     async def run(self, turn: Turn) -> Response:
         stack = contextlib.AsyncExitStack()
@@ -56,13 +57,13 @@ class TurnRunner:
             if turn.key is not None:
                 try:
                     locked = await stack.enter_async_context(
-                        self._book.store.lock(turn.key, timeout=self._s.conversation_lock_timeout_s)
+                        self._sv.store.lock(turn.key, timeout=self._s.conversation_lock_timeout_s)
                     )
-                    record = await self._book.store.get(turn.key)
+                    record = await self._sv.store.get(turn.key)
                 except StoreUnavailableError as exc:
                     # No shared state: serve the turn without reuse (a recompute) rather than fail it.
                     logger.warning("serving %s without reuse: %s", turn.conversation_id, exc)
-                    self._book.metrics.backend_errors.labels(role="store", kind="unavailable").inc()
+                    self._sv.metrics.backend_errors.labels(role="store", kind="unavailable").inc()
                     await stack.aclose()
                     stack = contextlib.AsyncExitStack()
                     turn.key = None
@@ -79,7 +80,13 @@ class TurnRunner:
             response: Response
             if turn.stream:
                 relay = Relay(
-                    book=self._book, turn=turn, record=record, decode=decode, resp=resp, stack=stack
+                    services=self._sv,
+                    book=self._book,
+                    turn=turn,
+                    record=record,
+                    decode=decode,
+                    resp=resp,
+                    stack=stack,
                 )
                 response = RelayResponse(relay, headers=turn.headers())
             else:
@@ -97,15 +104,15 @@ class TurnRunner:
         path = render_path(turn.api_path)
         if not self._s.tokens or path is None:
             return
-        book = self._book
+        sv = self._sv
         refused: list[BackendState] = []
 
         def choose(tried: frozenset[str]) -> BackendState | None:
-            return choose_prefill((p for p in book.prefill if p.renders is not False), exclude=tried)
+            return choose_prefill((p for p in sv.prefill if p.renders is not False), exclude=tried)
 
         async def attempt(p: BackendState) -> Any:
             try:
-                return await book.hops.post(
+                return await sv.hops.post(
                     p, path, turn.body, turn.request_id, total_s=self._s.timeouts.prefill_s
                 )
             except APIStatusError as exc:
@@ -132,14 +139,15 @@ class TurnRunner:
         prefill.renders = True
         turn.rendered, turn.render_prefill = rendered, prefill
         turn.render_ms = (time.perf_counter() - t0) * 1000
-        self._book.metrics.render_seconds.observe(turn.render_ms / 1000)
+        self._sv.metrics.render_seconds.observe(turn.render_ms / 1000)
 
     async def _plan(
         self, turn: Turn, record: ConversationRecord | None, locked: bool
     ) -> tuple[BackendState, PathDecision]:
         book = self._book
+        sv = self._sv
         sticky = record.decode if record else None
-        decode = choose_decode(book.decode, sticky=sticky, load_cap=self._s.decode_load_cap)
+        decode = choose_decode(sv.decode, sticky=sticky, load_cap=self._s.decode_load_cap)
         if decode is None:
             # Checked before prefill: a P hop whose blocks no decode will read only wastes P.
             raise client_error(503, "no healthy decode engine available", code="no_backend")
@@ -148,7 +156,7 @@ class TurnRunner:
             turn.reuse = "none"
         if record is not None and decode.name == record.decode:
             if decode.retention is None:
-                await book.leases.probe(decode)
+                await sv.leases.probe(decode)
             verdict = assess_reuse(
                 retained=record.retained,
                 expires_at=record.expires_at,
@@ -172,13 +180,13 @@ class TurnRunner:
             new_tokens=self._new_tokens(turn, record),
             decode_outstanding=decode.outstanding,
             local_max_tokens=self._s.decode_local_max_tokens,
-            model=book.cost,
+            model=sv.cost,
             exact=self._s.exact,
         )
         book.decided(turn, decision)
         turn.path = decision.path
         if turn.rendered is not None:
-            turn.forward_ids = await book.leases.learn_takes_ids(decode)
+            turn.forward_ids = await sv.leases.learn_takes_ids(decode)
         return decode, decision
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
@@ -187,8 +195,8 @@ class TurnRunner:
         if ids is not None:
             return len(ids) - (record.tokens.held if record and record.tokens else 0)
         if record and record.prefix:
-            return self._book.cost.estimate_tokens(record.prefix.new_chars(turn.body))
-        return self._book.cost.estimate_tokens(prompt_chars(turn.body))
+            return self._sv.cost.estimate_tokens(record.prefix.new_chars(turn.body))
+        return self._sv.cost.estimate_tokens(prompt_chars(turn.body))
 
     async def _decode_local(self, turn: Turn, decode: BackendState) -> tuple[httpx.Response, BackendState]:
         turn.reuse = "local"
@@ -209,7 +217,7 @@ class TurnRunner:
     async def _prefill_then_decode(
         self, turn: Turn, record: ConversationRecord | None, decode: BackendState | None
     ) -> tuple[httpx.Response, BackendState]:
-        book = self._book
+        sv = self._sv
         retained = record.retained if record is not None and turn.path == "pull" else None
         if turn.rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
@@ -218,13 +226,13 @@ class TurnRunner:
                 turn.rendered, model=turn.body.get("model"), kv_params=prefill_params(retained)
             )
             first = turn.render_prefill
-            pool = [p for p in book.prefill if p.renders]
+            pool = [p for p in sv.prefill if p.renders]
         else:
             path, body, first, pool = (
                 turn.api_path,
                 prefill_body(turn.body, retained),
                 None,
-                list(book.prefill),
+                list(sv.prefill),
             )
 
         def choose(tried: frozenset[str]) -> BackendState | None:
@@ -237,12 +245,12 @@ class TurnRunner:
         t0 = time.perf_counter()
         prefill, answer = await with_failover(
             choose,
-            lambda p: book.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s),
+            lambda p: sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s),
             role="prefill",
             mark_down=self._s.health_interval_s > 0,
         )
         turn.prefill_ms = (time.perf_counter() - t0) * 1000
-        book.metrics.prefill_seconds.observe(turn.prefill_ms / 1000)
+        sv.metrics.prefill_seconds.observe(turn.prefill_ms / 1000)
         turn.prefill = prefill.name
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens")
@@ -264,7 +272,7 @@ class TurnRunner:
     async def _open_decode(
         self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True
     ) -> tuple[httpx.Response, BackendState]:
-        book = self._book
+        sv = self._sv
         s = self._s
 
         def choose(tried: frozenset[str]) -> BackendState | None:
@@ -272,13 +280,13 @@ class TurnRunner:
                 return first
             if not failover:
                 return None
-            return choose_decode(book.decode, sticky=None, load_cap=s.decode_load_cap, exclude=tried)
+            return choose_decode(sv.decode, sticky=None, load_cap=s.decode_load_cap, exclude=tried)
 
         async def attempt(d: BackendState) -> httpx.Response:
             with contextlib.ExitStack() as inflight:
                 inflight.enter_context(d.inflight())
                 first_byte = s.timeouts.decode_first_byte_s if turn.stream else s.timeouts.decode_total_s
-                resp = await book.hops.open_stream(
+                resp = await sv.hops.open_stream(
                     d, turn.api_path, body, turn.request_id, first_byte_s=first_byte
                 )
                 turn.inflight = inflight.pop_all()  # until the answer's last byte
@@ -303,7 +311,7 @@ class TurnRunner:
             try:
                 content = await resp.aread()
             except httpx.HTTPError:
-                self._book.metrics.backend_errors.labels(role="decode", kind="protocol").inc()
+                self._sv.metrics.backend_errors.labels(role="decode", kind="protocol").inc()
                 raise client_error(502, "decode engine connection failed", code="upstream_error") from None
         finally:
             turn.inflight.close()
@@ -318,7 +326,7 @@ class TurnRunner:
         output.kv_params = params
         if output.finish_reason == ABORTED:
             # Decode dropped the request (shutting down): a cut-short answer is an error, never an answer.
-            self._book.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
+            self._sv.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
             await self._book.failed(turn, record)
             raise client_error(502, "decode engine aborted the request", code="upstream_error")
         # What decode retained is needed for the lease header; storing it waits until the client has the

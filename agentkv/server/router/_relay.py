@@ -19,6 +19,7 @@ from ._backend import BackendState
 from ._book import TurnBook
 from ._errors import error_body
 from ._hops import close_quietly
+from ._services import RouterServices
 from ._sse import DONE, EventSplitter, TurnOutput, error_event
 from ._store import ConversationRecord
 from ._turn import Turn
@@ -50,6 +51,7 @@ class Relay:
     def __init__(
         self,
         *,
+        services: RouterServices,
         book: TurnBook,
         turn: Turn,
         record: ConversationRecord | None,
@@ -57,7 +59,8 @@ class Relay:
         resp: httpx.Response,
         stack: contextlib.AsyncExitStack,
     ) -> None:
-        self._book, self._turn, self._record, self._decode = book, turn, record, decode
+        self._sv, self._book = services, book
+        self._turn, self._record, self._decode = turn, record, decode
         self._resp, self._stack = resp, stack
         self._output = TurnOutput()
         self._ok = False
@@ -67,11 +70,11 @@ class Relay:
     async def events(self) -> AsyncIterator[bytes]:
         """Forward decode's events as they complete; never buffer the stream. A break after the first
         byte ends with one error event and [DONE], so clients never hang."""
-        turn, timeouts = self._turn, self._book.settings.timeouts
+        turn, timeouts = self._turn, self._sv.settings.timeouts
         splitter = self._splitter = EventSplitter(output=self._output)
         failure: str | None = None
         try:
-            async for data in self._book.hops.iter_stream(
+            async for data in self._sv.hops.iter_stream(
                 self._resp, first_s=timeouts.decode_first_byte_s, idle_s=timeouts.decode_idle_s
             ):
                 if turn.ttft_ms is None:
@@ -86,15 +89,15 @@ class Relay:
             self._ok = splitter.done
             if splitter.aborted:
                 failure = "decode engine aborted the request"
-                self._book.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
+                self._sv.metrics.backend_errors.labels(role="decode", kind="aborted").inc()
             elif not self._ok:
                 failure = "decode stream ended early"
         except TimeoutError:
             failure = "decode engine stopped sending (idle timeout)"
-            self._book.metrics.backend_errors.labels(role="decode", kind="timeout").inc()
+            self._sv.metrics.backend_errors.labels(role="decode", kind="timeout").inc()
         except httpx.HTTPError:
             failure = "decode engine connection lost"
-            self._book.metrics.backend_errors.labels(role="decode", kind="stream").inc()
+            self._sv.metrics.backend_errors.labels(role="decode", kind="stream").inc()
         if failure is not None:
             yield error_event(error_body(502, failure, code="stream_interrupted"))
             yield DONE

@@ -13,7 +13,7 @@ USER1 = [{"role": "user", "content": "list the files"}]
 
 def outstanding(client: httpx.AsyncClient) -> dict[str, int]:
     router = client.app.state.router  # type: ignore[attr-defined]
-    return {s.name: s.outstanding for pool in (router.book.prefill, router.book.decode) for s in pool}
+    return {s.name: s.outstanding for pool in (router.services.prefill, router.services.decode) for s in pool}
 
 
 async def test_inflight_counts_go_back_to_zero_after_json_streamed_and_broken_answers(
