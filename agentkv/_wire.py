@@ -95,10 +95,8 @@ def decode_body(
         # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
         out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
-    params = with_prompt_ids(dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}, prompt_ids)
-    if offer_decoded is not None:
-        params[OFFER_DECODED_KEY] = offer_decoded
-    out[KV_KEY] = params
+    base = dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}
+    out[KV_KEY] = _decode_params(base, prompt_ids=prompt_ids, offer_decoded=offer_decoded)
     return out
 
 
@@ -106,10 +104,18 @@ def decode_local_body(
     body: dict[str, Any], *, prompt_ids: list[int] | None = None, offer_decoded: bool | None = None
 ) -> dict[str, Any]:
     # A non-empty params dict makes a bidirectional decode retain its blocks when the request finishes.
-    params = with_prompt_ids({RETAIN_KEY: True}, prompt_ids)
+    params = _decode_params({RETAIN_KEY: True}, prompt_ids=prompt_ids, offer_decoded=offer_decoded)
+    return {**body, KV_KEY: params}
+
+
+def _decode_params(
+    params: dict[str, Any], *, prompt_ids: list[int] | None, offer_decoded: bool | None
+) -> dict[str, Any]:
+    """What every decode hop adds to its params: the forwarded ids and whether to offer decoded KV."""
+    params = with_prompt_ids(params, prompt_ids)
     if offer_decoded is not None:
         params[OFFER_DECODED_KEY] = offer_decoded
-    return {**body, KV_KEY: params}
+    return params
 
 
 def with_prompt_ids(params: dict[str, Any], prompt_ids: list[int] | None) -> dict[str, Any]:

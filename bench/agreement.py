@@ -74,9 +74,7 @@ def _sender(url: str, model: str) -> Send:
     return send
 
 
-def run_side(
-    side: str, seeds: range, *, reuse: Callable[..., dict[str, Any]], recompute: Callable[..., dict[str, Any]]
-) -> list[dict[str, Any]]:
+def run_side(side: str, seeds: range, *, reuse: Send, recompute: Send) -> list[dict[str, Any]]:
     """The conversations of one side: ``reuse(messages, key)`` drives them, ``recompute(messages)`` answers
     each reuse turn again from nothing."""
     rows = []

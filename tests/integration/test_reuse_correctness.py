@@ -111,7 +111,7 @@ def test_default_mode_reuses_only_the_same_tokens(
 ) -> None:
     """Each turn's first-token logprob equals the exact recompute's up to bf16 rounding, as long as the two
     runs saw the same history (a flipped greedy token makes the histories differ from there on); every
-    edited history is caught by the connector; reuse happens, decoded tokens included."""
+    edited history is caught by the connector; reuse happens (how many tokens were pulled is reported)."""
     ps = cluster.prefills[0].spec.service_url
     assert ps
     script = conversation_script(100 + CASES.index(case), 3)
