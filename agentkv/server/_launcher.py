@@ -344,6 +344,8 @@ class Engine:
             if not self.alive():
                 raise EngineStartError(f"{self.name} died during start", log_tail=tail(self.spec.log_path))
             if self.healthy():
+                if self.spec.device == "cpu" and self.spec.cpu_core is not None:
+                    _keep_pinned(self.proc.pid if self.proc is not None else None, self.spec.cpu_core)
                 return elapsed
             if elapsed > timeout_s:
                 self.stop()
@@ -361,6 +363,38 @@ class Engine:
         self.proc.wait(timeout=5)
 
 
+def _group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (Linux /proc; empty elsewhere)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile, or unreadable
+        # After "pid (comm)": state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _keep_pinned(pgid: int | None, core: int) -> None:
+    """Move an engine's process main threads that were pinned to another single core back to ``core``.
+
+    On CPU, vLLM's NixlConnector worker pins its main thread (the one that runs the model) to the last core
+    of each NUMA node, the same core for every engine on the host, so a prefill bound to core 0 computes on
+    decode's core. The agentkv connector undoes this inside the worker; this does the same from outside for
+    an engine started without it (stock vLLM). Only main threads pinned to one core are moved: threads vLLM
+    left free to float, and the API server, are not ours to place.
+    """
+    if pgid is None or not hasattr(os, "sched_setaffinity"):
+        return
+    for pid in _group_members(pgid):
+        with contextlib.suppress(OSError):
+            now = os.sched_getaffinity(pid)
+            if len(now) == 1 and now != {core}:
+                os.sched_setaffinity(pid, {core})
+
+
 def _group_running(pgid: int) -> bool:
     """Whether any member of the process group is still running.
 
@@ -372,18 +406,9 @@ def _group_running(pgid: int) -> bool:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not Path("/proc").is_dir():
         return True
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile, or unreadable
-        # After "pid (comm)": state, ppid, pgrp, ...
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
+    return bool(_group_members(pgid))
 
 
 def kill_group(pid: int, *, timeout_s: float = 20) -> None:

@@ -1,7 +1,10 @@
 """The package's one router launcher and one free-port helper, and the CLI as a leaf of the import graph."""
 
 import ast
+import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +15,7 @@ import pytest
 
 import agentkv
 from agentkv._exceptions import EngineStartError, PortInUseError
-from agentkv.server._launcher import free_port, port_in_use, start_router
+from agentkv.server._launcher import _keep_pinned, free_port, port_in_use, start_router
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing answers
 
@@ -99,3 +102,30 @@ def test_nothing_in_the_package_imports_the_cli() -> None:
             if any(n == "agentkv.cli" for n in names):
                 importers.append(str(path.relative_to(root)))
     assert importers == []
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs 2 usable cores"
+)
+def test_keep_pinned_moves_a_group_main_thread_pinned_elsewhere_back_to_its_core() -> None:
+    """What vLLM's CPU NixlConnector does to a stock engine (its worker pinned to the last core), undone."""
+    first, last = min(os.sched_getaffinity(0)), max(os.sched_getaffinity(0))
+    pinned = (
+        f"import os, time; os.sched_setaffinity(0, {{{last}}}); print('pinned', flush=True); time.sleep(60)"
+    )
+    free = "import time; time.sleep(60)"  # floats over all cores: not ours to place
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+        for code in (pinned, free)
+    ]
+    try:
+        assert procs[0].stdout is not None and procs[0].stdout.readline() == b"pinned\n"
+        everything = os.sched_getaffinity(procs[1].pid)
+        _keep_pinned(procs[0].pid, first)
+        _keep_pinned(procs[1].pid, first)
+        assert os.sched_getaffinity(procs[0].pid) == {first}
+        assert os.sched_getaffinity(procs[1].pid) == everything
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
