@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "GENERATE_PATH",
     "KV_KEY",
     "OFFER_DECODED_KEY",
     "PROMPT_IDS_KEY",
@@ -24,7 +25,7 @@ __all__ = [
     "render_path",
     "rendered_request",
     "reusable_tokens",
-    "token_prefill_body",
+    "token_prefill",
     "with_prompt_ids",
 ]
 
@@ -39,6 +40,7 @@ RETAIN_KEY = "agentkv_retain"
 # one router setting decides; without it the connector's `agentkv_offer_decoded` config applies.
 OFFER_DECODED_KEY = "agentkv_offer_decoded"
 TOKEN_PREFILL_PATH = "/v1/completions"
+GENERATE_PATH = "/inference/v1/generate"
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
     "/v1/completions": "/v1/completions/render",
@@ -171,22 +173,43 @@ def rendered_request(answer: Any) -> dict[str, Any] | None:
     return answer
 
 
-def token_prefill_body(rendered: dict[str, Any], *, model: Any, kv_params: dict[str, Any]) -> dict[str, Any]:
-    """Prefill's tokens-in request: `/v1/completions` with the rendered ids as the prompt (vLLM applies no
-    template and no tokenizer to an id prompt), one output token, P's params.
+def token_prefill(
+    rendered: dict[str, Any], *, model: Any, kv_params: dict[str, Any], generate: bool
+) -> tuple[str, dict[str, Any]]:
+    """Prefill's tokens-in request (route and body) for one output token with P's params: the rendered ids,
+    which vLLM takes without applying a template or a tokenizer.
 
-    Not vLLM's `/inference/v1/generate`: 0.26 accepts `kv_transfer_params` there but never hands them to the
-    engine (0.32 does), so prefill would not keep its blocks for decode and decode would recompute. The
-    render's `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill computed, so
-    sharing it under the client's salt is what a single vLLM server does."""
-    out: dict[str, Any] = {
-        "model": model,
-        "prompt": rendered["token_ids"],
-        "max_tokens": 1,
-        "temperature": 0,
-        "stream": False,
-        KV_KEY: kv_params,
-    }
+    `generate` (vLLM >= 0.32): `/inference/v1/generate` with `detokenize` off. Prefill's one token is thrown
+    away, and detokenizing it is not free: vLLM primes its incremental detokenizer with the whole prompt
+    (`DecodeStream(ids=prompt_token_ids)`), whose first step decodes every prompt token (60 ms for 135k ids
+    on one CPU core; vllm#51281 and vllm#57330 cap it upstream). Otherwise `/v1/completions` with an id
+    prompt: 0.26 accepts `kv_transfer_params` on the generate route but never hands them to the engine, so
+    prefill would not keep its blocks for decode.
+
+    The render's `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill computed,
+    so sharing it under the client's salt is what a single vLLM server does."""
+    ids = rendered["token_ids"]
+    out: dict[str, Any]
+    if generate:
+        sampling = {"max_tokens": 1, "temperature": 0, "detokenize": False}
+        out = {
+            "model": model,
+            "token_ids": ids,
+            "sampling_params": sampling,
+            "stream": False,
+            KV_KEY: kv_params,
+        }
+        path = GENERATE_PATH
+    else:
+        out = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            KV_KEY: kv_params,
+        }
+        path = TOKEN_PREFILL_PATH
     if rendered.get("cache_salt") is not None:
         out["cache_salt"] = rendered["cache_salt"]
-    return out
+    return path, out

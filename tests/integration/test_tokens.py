@@ -1,8 +1,9 @@
 """Tokens between the router and the engines, on the real CPU cluster (1P1D, our connector).
 
 The router renders each turn once (prefill's `/v1/chat/completions/render`), sends prefill the token ids
-(`/v1/completions` with an id prompt), forwards them to decode in `kv_transfer_params.prompt_token_ids`, and
-checks reuse on token ids, which see what the chat template renders beyond the messages (tools, kwargs).
+(`/inference/v1/generate` without detokenizing; `/v1/completions` with an id prompt before vLLM 0.32),
+forwards them to decode in `kv_transfer_params.prompt_token_ids`, and checks reuse on token ids, which see
+what the chat template renders beyond the messages (tools, kwargs).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     p_url = cluster.prefills[0].spec.url
     script = conversation_script(31, 3)
     cid = new_id("tokens")
-    before = {h: _requests(p_url, h) for h in ("/v1/completions", "/v1/chat/completions")}
+    hops = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
+    before = {h: _requests(p_url, h) for h in hops}
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -57,10 +59,11 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
         assert on.headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), on.headers
         assert_agrees_up_to_rounding(on, off)
         history.append({"role": "assistant", "content": on.text})
-    # Every prefill hop of both routers took the ids as a prompt (the render is the turn's only one); none
-    # sent prefill the messages to render again.
-    assert _requests(p_url, "/v1/completions") - before["/v1/completions"] == 2 * len(script)
+    # Every prefill hop of both routers took the ids on vLLM's tokens-in route (the render is the turn's
+    # only one); none sent prefill the messages to render again, or an id prompt it would detokenize.
+    assert _requests(p_url, "/inference/v1/generate") - before["/inference/v1/generate"] == 2 * len(script)
     assert _requests(p_url, "/v1/chat/completions") == before["/v1/chat/completions"]
+    assert _requests(p_url, "/v1/completions") == before["/v1/completions"]
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:

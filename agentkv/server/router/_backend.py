@@ -87,8 +87,10 @@ class BackendState:
     block_size: int | None = None
     # Whether this prefill serves vLLM's render and tokens-in routes; None until a turn tried them.
     renders: bool | None = None
-    # Whether this decode takes forwarded prompt token ids (vLLM >= 0.32); None until learned.
-    takes_ids: bool | None = None
+    # The engine's vLLM (major, minor) from its `/version`: which routes and fields it honours (decode takes
+    # forwarded prompt ids and prefill's generate route keeps kv_transfer_params from 0.32 on); None until
+    # learned, and again after the backend went down.
+    release: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:

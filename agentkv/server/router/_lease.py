@@ -70,16 +70,29 @@ class LeaseClient:
                 decode.block_size = block_size_of(resp.text)
         return decode.block_size
 
-    async def learn_takes_ids(self, decode: BackendState) -> bool:
-        """Whether decode renders from forwarded `kv_transfer_params["prompt_token_ids"]` instead of the
-        messages (vLLM >= 0.32), from its `/version`; older ones would only carry the ids along unused."""
-        if decode.takes_ids is None:
-            resp = await self._call("GET", f"{decode.backend.url}/version")
-            if resp is not None:  # an answer without a usable version is a no; no answer asks again later
+    async def release_of(self, state: BackendState) -> tuple[int, int] | None:
+        """The (major, minor) vLLM release an engine runs, from its `/version`, learned once per engine
+        start. An answer without a usable version is remembered as (0, 0): no feature of a later release is
+        assumed; no answer asks again next time."""
+        if state.release is None:
+            resp = await self._call("GET", f"{state.backend.url}/version")
+            if resp is not None:
                 data = _json(resp) if resp.status_code == 200 else None
                 release = _release(data.get("version")) if data is not None else None
-                decode.takes_ids = release is not None and release >= (0, 32)
-        return bool(decode.takes_ids)
+                state.release = release or (0, 0)
+        return state.release
+
+    async def learn_takes_ids(self, decode: BackendState) -> bool:
+        """Whether decode renders from forwarded `kv_transfer_params["prompt_token_ids"]` instead of the
+        messages (vLLM >= 0.32); older ones would only carry the ids along unused."""
+        release = await self.release_of(decode)
+        return release is not None and release >= (0, 32)
+
+    async def learn_generates(self, prefill: BackendState) -> bool:
+        """Whether prefill's `/inference/v1/generate` hands `kv_transfer_params` to its engine (vLLM >= 0.32;
+        0.26 drops them), so the token path's prefill hop can skip detokenizing its one token."""
+        release = await self.release_of(prefill)
+        return release is not None and release >= (0, 32)
 
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
         """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the

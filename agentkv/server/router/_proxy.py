@@ -15,7 +15,6 @@ from agentkv._constants import H_LEASE_EXPIRES_IN
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import (
     KV_KEY,
-    TOKEN_PREFILL_PATH,
     decode_body,
     decode_local_body,
     prefill_body,
@@ -23,7 +22,7 @@ from agentkv._wire import (
     render_path,
     rendered_request,
     reusable_tokens,
-    token_prefill_body,
+    token_prefill,
 )
 
 from ._backend import BackendState
@@ -219,21 +218,13 @@ class TurnRunner:
     ) -> tuple[httpx.Response, BackendState]:
         sv = self._sv
         retained = record.retained if record is not None and turn.path == "pull" else None
-        if turn.rendered is not None:
+        rendered = turn.rendered
+        if rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
-            path = TOKEN_PREFILL_PATH
-            body = token_prefill_body(
-                turn.rendered, model=turn.body.get("model"), kv_params=prefill_params(retained)
-            )
             first = turn.render_prefill
             pool = [p for p in sv.prefill if p.renders]
         else:
-            path, body, first, pool = (
-                turn.api_path,
-                prefill_body(turn.body, retained),
-                None,
-                list(sv.prefill),
-            )
+            first, pool = None, list(sv.prefill)
 
         def choose(tried: frozenset[str]) -> BackendState | None:
             if first is not None and first.name not in tried and first.healthy:
@@ -243,11 +234,21 @@ class TurnRunner:
         # Set before the hop: once P has the params it may have read (and so freed) decode's blocks.
         turn.used_retained = retained is not None
         t0 = time.perf_counter()
+
+        async def attempt(p: BackendState) -> dict[str, Any]:
+            if rendered is None:
+                path, body = turn.api_path, prefill_body(turn.body, retained)
+            else:
+                path, body = token_prefill(
+                    rendered,
+                    model=turn.body.get("model"),
+                    kv_params=prefill_params(retained),
+                    generate=await sv.leases.learn_generates(p),
+                )
+            return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
+
         prefill, answer = await with_failover(
-            choose,
-            lambda p: sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s),
-            role="prefill",
-            mark_down=self._s.health_interval_s > 0,
+            choose, attempt, role="prefill", mark_down=self._s.health_interval_s > 0
         )
         turn.prefill_ms = (time.perf_counter() - t0) * 1000
         sv.metrics.prefill_seconds.observe(turn.prefill_ms / 1000)

@@ -2,11 +2,11 @@
 
 A turn is rendered and tokenized once, by the prefill engine's own renderer (vLLM's
 `/v1/chat/completions/render`, `/v1/completions/render`), so the ids can never disagree with what the engine
-would compute from the text. Prefill then gets the ids (an id prompt on `/v1/completions`), decode gets them
-forwarded in `kv_transfer_params["prompt_token_ids"]` (vLLM >= 0.32 skips its own rendering then), and the
-router checks reuse on them: the new prompt must start with exactly the token ids decode holds. That check
-sees everything a chat template renders (tools, `chat_template_kwargs`, a system prompt it injects), which a
-check on messages cannot.
+would compute from the text. Prefill then gets the ids (`/inference/v1/generate`; an id prompt on
+`/v1/completions` before vLLM 0.32), decode gets them forwarded in `kv_transfer_params["prompt_token_ids"]`
+(vLLM >= 0.32 skips its own rendering then), and the router checks reuse on them: the new prompt must start
+with exactly the token ids decode holds. That check sees everything a chat template renders (tools,
+`chat_template_kwargs`, a system prompt it injects), which a check on messages cannot.
 
 Only ids an engine rendered for this very request are ever forwarded: vLLM trusts forwarded ids."""
 

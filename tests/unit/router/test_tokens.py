@@ -9,7 +9,7 @@ import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._wire import rendered_request, token_prefill_body
+from agentkv._wire import rendered_request, token_prefill
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 
@@ -18,6 +18,7 @@ from .conftest import FakeEngines, render_ids, store_of
 CHAT = "/v1/chat/completions"
 RENDER = "/v1/chat/completions/render"
 CMPL = "/v1/completions"
+GENERATE = "/inference/v1/generate"
 USER1 = [{"role": "user", "content": "list the files"}]
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
 
@@ -44,11 +45,13 @@ async def test_a_turn_is_rendered_once_prefill_takes_ids_and_decode_gets_them(
     assert float(r1.headers["x-agentkv-render-ms"]) >= 0
     assert (r1.headers["x-agentkv-reuse"], r2.headers["x-agentkv-reuse"]) == ("miss", "hit")
     renders = [b for b, _ in engines.requests("p", RENDER)]
-    prefills = [b for b, _ in engines.requests("p", CMPL)]
+    prefills = [b for b, _ in engines.requests("p", GENERATE)]
     assert len(renders) == len(prefills) == 2 and not engines.requests("p", CHAT)
+    assert not engines.requests("p", CMPL)  # 0.32: the generate route, which keeps kv_transfer_params
     ids2 = render_ids(renders[1])
-    assert prefills[1]["prompt"] == ids2 and prefills[1]["model"] == "tiny"
-    assert prefills[1]["max_tokens"] == 1 and prefills[1]["stream"] is False
+    assert prefills[1]["token_ids"] == ids2 and prefills[1]["model"] == "tiny"
+    assert prefills[1]["sampling_params"]["max_tokens"] == 1 and prefills[1]["stream"] is False
+    assert prefills[1]["sampling_params"]["detokenize"] is False  # its one token is thrown away
     assert prefills[1]["kv_transfer_params"]["remote_engine_id"] == "D0-ENGINE"  # decode's retained params
     assert prefills[0]["kv_transfer_params"]["remote_block_ids"] is None
     assert not engines.requests("d", RENDER)
@@ -67,7 +70,10 @@ async def test_decode_before_0_32_is_not_sent_ids_it_would_ignore(engines: FakeE
     assert r.status_code == 200
     [d_body] = engines.completions("d")
     assert "prompt_token_ids" not in d_body["kv_transfer_params"]
-    assert engines.requests("p", CMPL)  # prefill still takes tokens: an id prompt works on every release
+    # Prefill still takes tokens: an id prompt on /v1/completions (0.26's generate route drops the params).
+    [p_body] = [b for b, _ in engines.requests("p", CMPL)]
+    assert p_body["prompt"] == render_ids(engines.requests("p", RENDER)[0][0]) and p_body["max_tokens"] == 1
+    assert not engines.requests("p", GENERATE)
 
 
 async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(
@@ -82,7 +88,7 @@ async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match
             r1 = await chat(client, USER1)
             r2 = await chat(client, then(USER1, r1), tools=TOOLS)
         assert r2.headers["x-agentkv-reuse"] == verdict, tokens
-        p_bodies = [b for path in (CHAT, CMPL) for b, _ in engines.requests("p", path)]
+        p_bodies = [b for path in (CHAT, GENERATE) for b, _ in engines.requests("p", path)]
         p_params = [b["kv_transfer_params"] for b in p_bodies]
         sent_retained = any(p.get("remote_engine_id") == "D0-ENGINE" for p in p_params)
         assert sent_retained is (verdict == "hit")
@@ -115,7 +121,8 @@ async def test_engines_without_the_render_api_are_served_text_and_not_asked_agai
     assert r2.headers["x-agentkv-reuse"] == "hit"  # the message guard, as before
     # One refused render per prefill that was tried, then text only.
     assert len(engines.requests("p", RENDER)) == 2
-    assert len(engines.requests("p", CHAT)) == 2 and not engines.requests("p", CMPL)
+    assert len(engines.requests("p", CHAT)) == 2
+    assert not engines.requests("p", CMPL) and not engines.requests("p", GENERATE)
 
 
 async def test_a_body_the_renderer_rejects_is_the_clients_400_and_stores_nothing(
@@ -170,21 +177,35 @@ def test_records_round_trip_the_token_fingerprint() -> None:
     assert ConversationRecord.from_json(old).tokens is None
 
 
-def test_token_prefill_body_is_an_id_prompt_for_one_token() -> None:
+def test_token_prefill_asks_for_one_token_from_the_ids_on_either_route() -> None:
     rendered = rendered_request(
         {"token_ids": [5, 6], "sampling_params": {"max_tokens": 50}, "stream": True, "cache_salt": "s1"}
     )
     assert rendered is not None
-    body = token_prefill_body(rendered, model="tiny", kv_params={"do_remote_decode": True})
-    assert body == {
-        "model": "tiny",
-        "prompt": [5, 6],
-        "max_tokens": 1,
-        "temperature": 0,
-        "stream": False,
-        "kv_transfer_params": {"do_remote_decode": True},
-        "cache_salt": "s1",
-    }
+    params = {"do_remote_decode": True}
+    assert token_prefill(rendered, model="tiny", kv_params=params, generate=False) == (
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": [5, 6],
+            "max_tokens": 1,
+            "temperature": 0,
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+            "cache_salt": "s1",
+        },
+    )
+    assert token_prefill(rendered, model="tiny", kv_params=params, generate=True) == (
+        "/inference/v1/generate",
+        {
+            "model": "tiny",
+            "token_ids": [5, 6],
+            "sampling_params": {"max_tokens": 1, "temperature": 0, "detokenize": False},
+            "stream": False,
+            "kv_transfer_params": {"do_remote_decode": True},
+            "cache_salt": "s1",
+        },
+    )
     assert rendered_request([rendered, rendered]) is None  # several prompts: the text path
     assert rendered_request({"token_ids": [1, -2], "sampling_params": {}}) is None
     assert rendered_request({"token_ids": [1], "sampling_params": {}, "features": {"mm": 1}}) is None
@@ -199,3 +220,5 @@ async def test_a_decode_without_a_version_gets_no_ids_and_is_asked_once(
         await chat(client, then(USER1, r1))
     assert all("prompt_token_ids" not in b["kv_transfer_params"] for b in engines.completions("d"))
     assert len(engines.requests("d0", "/version")) == 1
+    # Prefill asked once too, and an unknown release gets the route every release has.
+    assert len(engines.requests("p0", "/version")) == 1 and len(engines.requests("p", CMPL)) == 2
