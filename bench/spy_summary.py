@@ -1,0 +1,95 @@
+"""Where a server's busy time went, from py-spy raw profiles (`scripts/gpu/profile.sh`).
+
+    python -m bench.spy_summary DIR [--top 25] [--json OUT]
+
+One line per profile (role-pid.txt, with role-pid.cmd beside it): samples in which a thread was running
+Python code rather than waiting (the waits of an idle event loop, thread pool, ZMQ or NCCL poller are left
+out), split by the stages of a vLLM API server hop: request JSON (parsing and validation), chat template,
+tokenizer, detokenizer, response JSON, engine client. Then the functions with the most busy samples,
+inclusive, for the profile with the most."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+# A sample whose innermost frame is one of these is a thread waiting, not working.
+_IDLE = (
+    "select (selectors.py",
+    "Condition.wait",
+    "_worker (concurrent/futures/thread.py",
+    "Poller.poll",
+    "GarbageCollectorThread.run",
+    "Connection._recv",
+    "sched_yield",
+    "run_forever",
+    "Event.wait",
+    "_recv_msg",
+    "time.sleep",
+    "Runner.run (asyncio/runners.py",
+    "run (uvloop",
+)
+# Stage of a busy sample: the first of these that any frame of its stack names.
+_STAGES = (
+    ("detokenizer", ("detokenizer.py", "DecodeStream", "detokenize")),
+    ("tokenizer", ("_encode_plus", "_tokenize_prompt", "tokenization_utils", "TokenizerPool")),
+    ("chat template", ("jinja2", "apply_hf_chat_template", "render_messages", "_render_chat_template")),
+    ("request JSON", ("request_body_to_args", "_validate_value_with_model_field", "json/decoder")),
+    ("response JSON", ("JSONResponse.render", "json/encoder", "model_dump")),
+    ("engine client", ("async_llm.py", "output_processor.py", "core_client.py", "msgspec")),
+)
+
+
+def summarise(path: Path) -> dict[str, Any]:
+    stages: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    busy = total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        if any(idle in frames[-1] for idle in _IDLE):
+            continue
+        busy += n
+        stage = next((name for name, marks in _STAGES if any(m in f for f in frames for m in marks)), "other")
+        stages[stage] += n
+        for f in set(frames[1:]):
+            inclusive[f] += n
+    cmd = path.with_suffix(".cmd")
+    return {
+        "profile": path.name,
+        "command": cmd.read_text().strip() if cmd.exists() else None,
+        "samples": total,
+        "busy": busy,
+        "stages": dict(stages.most_common()),
+        "top": inclusive.most_common(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows = [summarise(p) for p in sorted(args.dir.glob("*.txt"))]
+    for r in rows:
+        stages = ", ".join(f"{k} {v}" for k, v in r["stages"].items())
+        print(f"{r['profile']}: {r['busy']} busy of {r['samples']} samples; {stages}")
+    if rows:
+        most = max(rows, key=lambda r: r["busy"])
+        print(f"\nbusiest ({most['profile']}), inclusive busy samples:")
+        for frame, n in most["top"][: args.top]:
+            print(f"{n:8d}  {frame[:140]}")
+    if args.json is not None:
+        args.json.write_text(json.dumps([{**r, "top": r["top"][:200]} for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()
