@@ -168,19 +168,25 @@ def phase_split(
 ) -> dict[str, float]:
     """Where one turn's time went, from the engines' histogram deltas and the router's headers (ms).
 
-    TTFT = render (token path) + P hop + D hop; each hop = its engine's queue + compute + the rest (HTTP,
-    JSON, rendering/tokenizing where the hop still does it: `*_api_ms`)."""
+    TTFT = render (token path) + P hop + D hop; each hop = its engine's queue + compute (for decode: from
+    scheduled to first token, waiting for P's KV included) + the rest (HTTP, JSON, rendering and tokenizing
+    where the hop still does it, the detokenizer's first step: `*_api_ms`).
+
+    vLLM's own TTFT histogram is kept as `d_vllm_ttft_ms` but is not the engine's part: vLLM takes a request's
+    arrival time before it renders and tokenizes the prompt, so on a decode that renders the messages again
+    (vLLM < 0.32) it counts that too."""
     ms = {k: round(v * 1e3, 2) for k, v in p.items() if k in PHASES}
     render = 0.0 if render_ms != render_ms else render_ms
     d_hop = round(ttft_ms - render - prefill_ms, 2)
-    d_queue, d_engine = round(d["queue_s"] * 1e3, 2), round(d["ttft_s"] * 1e3, 2)
+    d_queue, d_engine = round(d["queue_s"] * 1e3, 2), round(d["engine_prefill_s"] * 1e3, 2)
     return {
         "p_queue_ms": ms["queue_s"],
         "p_engine_prefill_ms": ms["engine_prefill_s"],
         "p_api_ms": api_ms(prefill_ms, ms["queue_s"], ms["engine_prefill_s"]),
         "d_hop_ms": d_hop,
         "d_queue_ms": d_queue,
-        "d_engine_ttft_ms": d_engine,
+        "d_engine_prefill_ms": d_engine,
+        "d_vllm_ttft_ms": round(d["ttft_s"] * 1e3, 2),
         "d_api_ms": round(d_hop - d_queue - d_engine, 2),
     }
 
@@ -384,7 +390,8 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
                 "p_engine_prefill_ms",
                 "p_api_ms",
                 "d_queue_ms",
-                "d_engine_ttft_ms",
+                "d_engine_prefill_ms",
+                "d_vllm_ttft_ms",
                 "d_hop_ms",
                 "d_api_ms",
                 "bytes_d_to_p",

@@ -4,8 +4,9 @@
 
 One line per profile (role-pid.txt, with role-pid.cmd beside it): samples in which a thread was running
 Python code rather than waiting (the waits of an idle event loop, thread pool, ZMQ or NCCL poller are left
-out), split by the stages of a vLLM API server hop: request JSON (parsing and validation), chat template,
-tokenizer, detokenizer, response JSON, engine client. Then the functions with the most busy samples,
+out), split into the server's startup and the stages of a vLLM API server hop: request JSON (parsing and
+validation), chat template, tokenizer, detokenizer, response JSON, engine client. A sample is 1/rate s
+(scripts/gpu/profile.sh samples at 200 Hz: 5 ms). Then the functions with the most busy samples,
 inclusive, for the profile with the most."""
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ _IDLE = (
 )
 # Stage of a busy sample: the first of these that any frame of its stack names.
 _STAGES = (
+    # Loading modules, the model config and the tokenizer, and the app's lifespan: before any request.
+    (
+        "startup",
+        ("_find_and_load", "build_async_engine_client", "lifespan (", "from_pretrained", "init_app_state"),
+    ),
     ("detokenizer", ("detokenizer.py", "DecodeStream", "detokenize")),
     ("tokenizer", ("_encode_plus", "_tokenize_prompt", "tokenization_utils", "TokenizerPool")),
     ("chat template", ("jinja2", "apply_hf_chat_template", "render_messages", "_render_chat_template")),

@@ -25,7 +25,8 @@ def _row(leg: str, ttft: float, prefill: float, label: str = "turn2") -> dict[st
 def test_phase_split_takes_the_engine_time_out_of_the_router_hop() -> None:
     # e2e left at 0: vLLM 0.26 records none for a request that ends holding KV for a remote decode.
     p = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.030, "engine_prefill_s": 0.200}
-    d = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.015, "ttft_s": 0.050}
+    # vLLM's TTFT on decode (70 ms) counts from before its API server rendered: not the engine's part.
+    d = dict.fromkeys(PHASES, 0.0) | {"queue_s": 0.015, "engine_prefill_s": 0.050, "ttft_s": 0.070}
     split = phase_split(p, d, prefill_ms=260.0, ttft_ms=400.0, render_ms=40.0)
     assert split == {
         "p_queue_ms": 30.0,
@@ -33,7 +34,8 @@ def test_phase_split_takes_the_engine_time_out_of_the_router_hop() -> None:
         "p_api_ms": 30.0,
         "d_hop_ms": 100.0,  # 400 - 40 rendering - 260 prefill
         "d_queue_ms": 15.0,
-        "d_engine_ttft_ms": 50.0,
+        "d_engine_prefill_ms": 50.0,
+        "d_vllm_ttft_ms": 70.0,
         "d_api_ms": 35.0,
     }
     nan = float("nan")
