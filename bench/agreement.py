@@ -2,6 +2,7 @@
 
     python -m bench.agreement                 # CPU, tiny model: a 1P1D cluster, then one vLLM server (~8 min)
     python -m bench.agreement --seeds 24      # more conversations
+    bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
 cached in earlier turns (including KV it computed while decoding), which can round differently from a
@@ -30,14 +31,20 @@ from typing import Any
 import httpx
 
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
-from bench.multiturn_sweep import FILLER_WORDS
+from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
 
 NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
 
 
 def _text(rng: random.Random, lo: int, hi: int) -> str:
-    return " ".join(rng.choice(FILLER_WORDS) for _ in range(rng.randint(lo, hi)))
+    n = rng.randint(lo, hi)
+    if _WORDLEVEL:  # the GPU recipe's tokenizer knows only w<N> words: English would be all <unk>
+        return gpu_words(rng, n)
+    return " ".join(rng.choice(FILLER_WORDS) for _ in range(n))
+
+
+_WORDLEVEL = False
 
 
 def _sender(url: str, model: str) -> Send:
@@ -107,20 +114,31 @@ def run_side(side: str, seeds: range, *, reuse: Send, recompute: Send) -> list[d
     return rows
 
 
+def _serving(args: argparse.Namespace) -> dict[str, Any]:
+    """How the engines serve the model: the tiny model's settings on CPU, ``--engine-arg`` on either."""
+    from agentkv.server._model import tiny_serving
+
+    if args.device == "cpu":
+        serving = tiny_serving()
+        serving["extra_args"] += args.engine_arg
+        return serving
+    return {"extra_args": list(args.engine_arg)}
+
+
 def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
     from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import tiny_serving
     from bench._servers import router_server
 
     cfg = ClusterConfig(
         model=args.model,
+        device=args.device,
         prefill_port=21800,
         decode_port=21900,
         router_port=None,
         prefill_prefix_caching=False,
         max_model_len=4096,
         log_dir=logs,
-        **tiny_serving(),
+        **_serving(args),
     )
     cluster = Cluster(config=cfg)
     cluster.up()
@@ -150,18 +168,15 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
 
 def _single_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
     from agentkv.server._launcher import Engine, EngineSpec
-    from agentkv.server._model import tiny_serving
 
-    serving = tiny_serving()
     spec = EngineSpec(
         role="single",
         model=args.model,
+        device=args.device,
         port=21950,
         max_model_len=4096,
         prefix_caching=True,
-        tool_call_parser=serving["tool_call_parser"],
-        extra_args=serving["extra_args"],
-        env=serving["env"],
+        **_serving(args),
         log_path=logs / "single.log",
     )
     engine = Engine(spec=spec, name="single")
@@ -204,10 +219,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=12)
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model
 
-    ensure_tiny_model(Path(args.model))
+    if args.device == "cpu":
+        ensure_tiny_model(Path(args.model))
+    global _WORDLEVEL
+    _WORDLEVEL = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
     rows = _pd_side(args, seeds, logs / "pd") + _single_side(args, seeds, logs)
