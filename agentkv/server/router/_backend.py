@@ -91,6 +91,9 @@ class BackendState:
     # forwarded prompt ids and prefill's generate route keeps kv_transfer_params from 0.32 on); None until
     # learned, and again after the backend went down.
     release: tuple[int, int] | None = None
+    # False once this prefill's generate route refused the token path's request or dropped its
+    # kv_transfer_params: id prompts on /v1/completions from then on (until it goes down and comes back).
+    generates: bool | None = None
 
     @property
     def name(self) -> str:

@@ -90,7 +90,10 @@ class LeaseClient:
 
     async def learn_generates(self, prefill: BackendState) -> bool:
         """Whether prefill's `/inference/v1/generate` hands `kv_transfer_params` to its engine (vLLM >= 0.32;
-        0.26 drops them), so the token path's prefill hop can skip detokenizing its one token."""
+        0.26 drops them), so the token path's prefill hop can skip detokenizing its one token; not once the
+        route failed us (`BackendState.generates`)."""
+        if prefill.generates is False:
+            return False
         release = await self.release_of(prefill)
         return release is not None and release >= (0, 32)
 

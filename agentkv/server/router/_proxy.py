@@ -235,17 +235,36 @@ class TurnRunner:
         turn.used_retained = retained is not None
         t0 = time.perf_counter()
 
+        async def post(p: BackendState, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
+
         async def attempt(p: BackendState) -> dict[str, Any]:
             if rendered is None:
-                path, body = turn.api_path, prefill_body(turn.body, retained)
-            else:
-                path, body = token_prefill(
-                    rendered,
-                    model=turn.body.get("model"),
-                    kv_params=prefill_params(retained),
-                    generate=await sv.leases.learn_generates(p),
+                return await post(p, turn.api_path, prefill_body(turn.body, retained))
+            generate = await sv.leases.learn_generates(p)
+            model, kv_params = turn.body.get("model"), prefill_params(retained)
+            try:
+                answer = await post(
+                    p, *token_prefill(rendered, model=model, kv_params=kv_params, generate=generate)
                 )
-            return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
+            except APIStatusError as exc:
+                # A release whose generate route takes other fields than 0.32's: the route every release has.
+                # Remembered only if that one takes the request (a prompt too long fails on both).
+                if not generate or exc.status_code not in (400, 404, 405, 422):
+                    raise
+                answer = await post(
+                    p, *token_prefill(rendered, model=model, kv_params=kv_params, generate=False)
+                )
+                logger.warning("%s refused the generate route (HTTP %d): id prompts", p.name, exc.status_code)
+                p.generates = False
+                return answer
+            if generate and not isinstance(answer.get("kv_transfer_params"), dict):
+                # Decode recomputes this turn (no blocks to read); later turns take the completions route.
+                logger.warning(
+                    "%s answered the generate route without kv_transfer_params: id prompts", p.name
+                )
+                p.generates = False
+            return answer
 
         prefill, answer = await with_failover(
             choose, attempt, role="prefill", mark_down=self._s.health_interval_s > 0

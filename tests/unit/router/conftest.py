@@ -74,6 +74,10 @@ class FakeEngines:
         # vLLM's render and tokens-in routes (the router's token path); False: a server without them (404).
         self.renders = False
         self.version = "0.32.0"  # what GET /version reports
+        # Prefill's /inference/v1/generate: refuses the token path's body (another release's schema) with
+        # this status, or answers without kv_transfer_params; None/False: vLLM 0.32's behaviour.
+        self.generate_refuses: int | None = None
+        self.generate_drops_params = False
         self.engines = {
             host: StubState(
                 config=StubConfig(
@@ -137,6 +141,10 @@ class FakeEngines:
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
+        if path == "/inference/v1/generate" and self.generate_refuses is not None:
+            return httpx.Response(
+                self.generate_refuses, json={"error": {"message": "extra fields not permitted"}}
+            )
         if path.endswith("/render"):
             if not self.renders:
                 return httpx.Response(404, json={"detail": "Not Found"})
@@ -181,6 +189,8 @@ class FakeEngines:
         if not body.get("stream"):
             out = completion.body()
             if host.startswith("d") and not self.d_params_in_body:
+                del out["kv_transfer_params"]
+            if path == "/inference/v1/generate" and self.generate_drops_params:
                 del out["kv_transfer_params"]
             return httpx.Response(200, json=out)
         if not (host.startswith("d") and self.d_stream_params):

@@ -222,3 +222,54 @@ async def test_a_decode_without_a_version_gets_no_ids_and_is_asked_once(
     assert len(engines.requests("d0", "/version")) == 1
     # Prefill asked once too, and an unknown release gets the route every release has.
     assert len(engines.requests("p0", "/version")) == 1 and len(engines.requests("p", CMPL)) == 2
+
+
+def _prefill_routes(engines: FakeEngines) -> dict[str, list[str]]:
+    """Each prefill's token-path hops in order."""
+    routes: dict[str, list[str]] = {}
+    for host, _m, path, _b, _h in engines.seen:
+        if host.startswith("p") and path in (GENERATE, CMPL):
+            routes.setdefault(host, []).append(path)
+    return routes
+
+
+async def test_a_prefill_whose_generate_route_refuses_the_body_is_sent_id_prompts_from_then_on(
+    engines: FakeEngines, make_client
+) -> None:
+    """A release whose generate route takes other fields than 0.32's (400): the turn is served on the
+    completions route at once, and later turns go there directly."""
+    engines.renders, engines.generate_refuses = True, 400
+    engines.down.add("p1.test")  # one prefill, so every turn meets the one that learned
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1)
+        r2 = await chat(client, then(USER1, r1))
+    assert r1.status_code == r2.status_code == 200
+    assert (r1.headers["x-agentkv-reuse"], r2.headers["x-agentkv-reuse"]) == ("miss", "hit")
+    assert _prefill_routes(engines) == {
+        "p0.test": [GENERATE, CMPL, CMPL]
+    }  # failed over to nothing, remembered
+
+
+async def test_a_client_error_on_both_routes_is_the_clients_and_keeps_the_generate_route(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders, engines.generate_refuses = True, 400
+    engines.status["p1.test"] = engines.status["p0.test"] = (
+        400,
+        {"error": {"message": "prompt too long", "type": "BadRequestError"}},
+    )
+    async with make_client(tokens=True) as client:
+        r = await chat(client, USER1)
+    assert r.status_code == 400, r.text
+
+
+async def test_a_generate_answer_without_kv_params_sends_later_turns_to_completions(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders, engines.generate_drops_params = True, True
+    engines.down.add("p1.test")
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1)
+        r2 = await chat(client, then(USER1, r1))
+    assert r1.status_code == r2.status_code == 200
+    assert _prefill_routes(engines) == {"p0.test": [GENERATE, CMPL]}
