@@ -10,8 +10,9 @@ recompute. agentkv's default mode (router ``exact = false``) reuses KV of the sa
 across P and D. Per seeded conversation (a first message, then two follow-ups, each turn on the history the
 reuse side produced), both sides answer each reuse turn twice:
 
-* P/D: through the default router (reuse ON) and through an exact no-reuse router (an independent
-  recompute: decode reads nothing it cached);
+* P/D: through the default router (reuse ON), the same forced through prefill (a pull), and an exact router
+  with reuse (the control: it must equal the recompute bit for bit), each against an exact no-reuse router
+  (an independent recompute: decode reads nothing it cached);
 * one server with prefix caching: with the conversation's cache salt (its earlier turns' KV is reused) and
   with a fresh salt (nothing is reused).
 
@@ -148,9 +149,14 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
         # (prefill reads decode's KV, decoded tokens included).
         on = router_server(port=21801, log_dir=logs / "on", **urls)
         pull = router_server(port=21803, log_dir=logs / "pull", path_policy="always-pd", **urls)
+        # Exact mode with reuse: only prefill-computed KV, a salted decode; it must equal the recompute bit
+        # for bit, which makes it the control for the other P/D sides on the same engines.
+        exact = router_server(port=21804, log_dir=logs / "exact", exact=True, **urls)
         off = router_server(port=21802, log_dir=logs / "off", reuse=False, exact=True, **urls)
-        with on, pull, off:
-            on_url, pull_url, off_url = (s.health_url.removesuffix("/health") for s in (on, pull, off))
+        with on, pull, exact, off:
+            on_url, pull_url, exact_url, off_url = (
+                s.health_url.removesuffix("/health") for s in (on, pull, exact, off)
+            )
             model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]
             send_off = _sender(off_url, model)
 
@@ -158,7 +164,8 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
                 return send_off(m, None)
 
             rows = []
-            for side, url in (("P/D default", on_url), ("P/D default, pull", pull_url)):
+            sides = (("P/D default", on_url), ("P/D default, pull", pull_url), ("P/D exact", exact_url))
+            for side, url in sides:
                 run_side("warm-up", range(1), reuse=_sender(url, model), recompute=recompute)
                 rows += run_side(side, seeds, reuse=_sender(url, model), recompute=recompute)
             return rows
