@@ -235,36 +235,13 @@ class TurnRunner:
         turn.used_retained = retained is not None
         t0 = time.perf_counter()
 
-        async def post(p: BackendState, path: str, body: dict[str, Any]) -> dict[str, Any]:
-            return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
-
         async def attempt(p: BackendState) -> dict[str, Any]:
-            if rendered is None:
-                return await post(p, turn.api_path, prefill_body(turn.body, retained))
-            generate = await sv.leases.learn_generates(p)
-            model, kv_params = turn.body.get("model"), prefill_params(retained)
-            try:
-                answer = await post(
-                    p, *token_prefill(rendered, model=model, kv_params=kv_params, generate=generate)
-                )
-            except APIStatusError as exc:
-                # A release whose generate route takes other fields than 0.32's: the route every release has.
-                # Remembered only if that one takes the request (a prompt too long fails on both).
-                if not generate or exc.status_code not in (400, 404, 405, 422):
-                    raise
-                answer = await post(
-                    p, *token_prefill(rendered, model=model, kv_params=kv_params, generate=False)
-                )
-                logger.warning("%s refused the generate route (HTTP %d): id prompts", p.name, exc.status_code)
-                p.generates = False
-                return answer
-            if generate and not isinstance(answer.get("kv_transfer_params"), dict):
-                # Decode recomputes this turn (no blocks to read); later turns take the completions route.
-                logger.warning(
-                    "%s answered the generate route without kv_transfer_params: id prompts", p.name
-                )
-                p.generates = False
-            return answer
+            if rendered is not None:
+                return await self._token_prefill(p, turn, rendered, prefill_params(retained))
+            body = prefill_body(turn.body, retained)
+            return await sv.hops.post_json(
+                p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
+            )
 
         prefill, answer = await with_failover(
             choose, attempt, role="prefill", mark_down=self._s.health_interval_s > 0
@@ -288,6 +265,37 @@ class TurnRunner:
         ids = turn.prompt_ids if turn.forward_ids else None
         body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids, offer_decoded=not self._s.exact)
         return await self._open_decode(turn, body, first=decode)
+
+    async def _token_prefill(
+        self, p: BackendState, turn: Turn, rendered: dict[str, Any], kv_params: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The token path's prefill hop on prefill ``p``: the generate route where ``p`` takes it, else an id
+        prompt (`agentkv._wire.token_prefill`)."""
+        sv = self._sv
+
+        async def post(generate: bool) -> dict[str, Any]:
+            path, body = token_prefill(
+                rendered, model=turn.body.get("model"), kv_params=kv_params, generate=generate
+            )
+            return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
+
+        generate = await sv.leases.learn_generates(p)
+        try:
+            answer = await post(generate)
+        except APIStatusError as exc:
+            # A release whose generate route takes other fields than 0.32's: the route every release has.
+            # Remembered only if that one takes the request (a prompt too long fails on both).
+            if not generate or exc.status_code not in (400, 404, 405, 422):
+                raise
+            answer = await post(False)
+            logger.warning("%s refused the generate route (HTTP %d): id prompts", p.name, exc.status_code)
+            p.generates = False
+            return answer
+        if generate and not isinstance(answer.get("kv_transfer_params"), dict):
+            # Decode recomputes this turn (no blocks to read); later turns take the completions route.
+            logger.warning("%s answered the generate route without kv_transfer_params: id prompts", p.name)
+            p.generates = False
+        return answer
 
     async def _open_decode(
         self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True
