@@ -74,9 +74,10 @@ class FakeEngines:
         # vLLM's render and tokens-in routes (the router's token path); False: a server without them (404).
         self.renders = False
         self.version = "0.32.0"  # what GET /version reports
-        # Prefill's /inference/v1/generate: refuses the token path's body (another release's schema) with
-        # this status, or answers without kv_transfer_params; None/False: vLLM 0.32's behaviour.
-        self.generate_refuses: int | None = None
+        # Prefills refuse these routes with (status, message), e.g. the generate route refusing the token
+        # path's body as another release's schema would; and the generate route may answer without
+        # kv_transfer_params. Empty/False: vLLM 0.32's behaviour.
+        self.prefill_refuses: dict[str, tuple[int, str]] = {}
         self.generate_drops_params = False
         self.engines = {
             host: StubState(
@@ -141,10 +142,9 @@ class FakeEngines:
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
-        if path == "/inference/v1/generate" and self.generate_refuses is not None:
-            return httpx.Response(
-                self.generate_refuses, json={"error": {"message": "extra fields not permitted"}}
-            )
+        if host.startswith("p") and path in self.prefill_refuses:
+            status, message = self.prefill_refuses[path]
+            return httpx.Response(status, json={"error": {"message": message, "type": "BadRequestError"}})
         if path.endswith("/render"):
             if not self.renders:
                 return httpx.Response(404, json={"detail": "Not Found"})

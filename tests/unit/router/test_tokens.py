@@ -238,7 +238,8 @@ async def test_a_prefill_whose_generate_route_refuses_the_body_is_sent_id_prompt
 ) -> None:
     """A release whose generate route takes other fields than 0.32's (400): the turn is served on the
     completions route at once, and later turns go there directly."""
-    engines.renders, engines.generate_refuses = True, 400
+    engines.renders = True
+    engines.prefill_refuses[GENERATE] = (400, "extra fields not permitted")
     engines.down.add("p1.test")  # one prefill, so every turn meets the one that learned
     async with make_client(tokens=True) as client:
         r1 = await chat(client, USER1)
@@ -253,14 +254,22 @@ async def test_a_prefill_whose_generate_route_refuses_the_body_is_sent_id_prompt
 async def test_a_client_error_on_both_routes_is_the_clients_and_keeps_the_generate_route(
     engines: FakeEngines, make_client
 ) -> None:
-    engines.renders, engines.generate_refuses = True, 400
-    engines.status["p1.test"] = engines.status["p0.test"] = (
-        400,
-        {"error": {"message": "prompt too long", "type": "BadRequestError"}},
-    )
+    """A prompt both routes refuse (400) is the client's error: nothing stored, and the generate route is not
+    given up for it."""
+    engines.renders = True
+    engines.down.add("p1.test")
+    for route in (GENERATE, CMPL):
+        engines.prefill_refuses[route] = (400, "prompt too long")
     async with make_client(tokens=True) as client:
         r = await chat(client, USER1)
-    assert r.status_code == 400, r.text
+        record = await store_of(client).get("-/c1")
+        assert r.status_code == 400 and "prompt too long" in r.text, r.text
+        assert record is None and not engines.completions("d")
+        assert _prefill_routes(engines) == {"p0.test": [GENERATE, CMPL]}
+        engines.prefill_refuses.clear()
+        engines.seen.clear()
+        assert (await chat(client, USER1)).status_code == 200
+    assert _prefill_routes(engines) == {"p0.test": [GENERATE]}
 
 
 async def test_a_generate_answer_without_kv_params_sends_later_turns_to_completions(
