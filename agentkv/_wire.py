@@ -189,26 +189,12 @@ def token_prefill(
     The render's `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill computed,
     so sharing it under the client's salt is what a single vLLM server does."""
     ids = rendered["token_ids"]
-    out: dict[str, Any]
+    out: dict[str, Any] = {"model": model, "stream": False, KV_KEY: kv_params}
     if generate:
-        sampling = {"max_tokens": 1, "temperature": 0, "detokenize": False}
-        out = {
-            "model": model,
-            "token_ids": ids,
-            "sampling_params": sampling,
-            "stream": False,
-            KV_KEY: kv_params,
-        }
+        out |= {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0, "detokenize": False}}
         path = GENERATE_PATH
     else:
-        out = {
-            "model": model,
-            "prompt": ids,
-            "max_tokens": 1,
-            "temperature": 0,
-            "stream": False,
-            KV_KEY: kv_params,
-        }
+        out |= {"prompt": ids, "max_tokens": 1, "temperature": 0}
         path = TOKEN_PREFILL_PATH
     if rendered.get("cache_salt") is not None:
         out["cache_salt"] = rendered["cache_salt"]

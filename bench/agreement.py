@@ -38,14 +38,11 @@ NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
 
 
-def _text(rng: random.Random, lo: int, hi: int) -> str:
+def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
     n = rng.randint(lo, hi)
-    if _WORDLEVEL:  # the GPU recipe's tokenizer knows only w<N> words: English would be all <unk>
+    if wordlevel:  # the GPU recipe's tokenizer knows only w<N> words: English would be all <unk>
         return gpu_words(rng, n)
     return " ".join(rng.choice(FILLER_WORDS) for _ in range(n))
-
-
-_WORDLEVEL = False
 
 
 def _sender(url: str, model: str) -> Send:
@@ -82,7 +79,9 @@ def _sender(url: str, model: str) -> Send:
     return send
 
 
-def run_side(side: str, seeds: range, *, reuse: Send, recompute: Send) -> list[dict[str, Any]]:
+def run_side(
+    side: str, seeds: range, *, reuse: Send, recompute: Send, wordlevel: bool
+) -> list[dict[str, Any]]:
     """The conversations of one side: ``reuse(messages, key)`` drives them, ``recompute(messages)`` answers
     each reuse turn again from nothing."""
     rows = []
@@ -91,12 +90,17 @@ def run_side(side: str, seeds: range, *, reuse: Send, recompute: Send) -> list[d
         for seed in seeds:
             rng = random.Random(seed)
             key = f"agree-{uuid.uuid4().hex[:12]}"
-            history = [{"role": "user", "content": uuid.uuid4().hex + " " + _text(rng, 150, 300)}]
+            history = [
+                {
+                    "role": "user",
+                    "content": uuid.uuid4().hex + " " + _text(rng, 150, 300, wordlevel=wordlevel),
+                }
+            ]
             answer = reuse(history, key)["text"]
             for turn in (2, 3):
                 history += [
                     {"role": "assistant", "content": answer},
-                    {"role": "user", "content": _text(rng, 40, 120)},
+                    {"role": "user", "content": _text(rng, 40, 120, wordlevel=wordlevel)},
                 ]
                 on, off = reuse(history, key), recompute(history)
                 answer = on["text"]
@@ -166,8 +170,9 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
             rows = []
             sides = (("P/D default", on_url), ("P/D default, pull", pull_url), ("P/D exact", exact_url))
             for side, url in sides:
-                run_side("warm-up", range(1), reuse=_sender(url, model), recompute=recompute)
-                rows += run_side(side, seeds, reuse=_sender(url, model), recompute=recompute)
+                send, words = _sender(url, model), args.wordlevel
+                run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
+                rows += run_side(side, seeds, reuse=send, recompute=recompute, wordlevel=words)
             return rows
     finally:
         cluster.down()
@@ -197,6 +202,7 @@ def _single_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dic
             seeds,
             reuse=lambda m, key: send(m, key, salt=True),
             recompute=lambda m: send(m, uuid.uuid4().hex, salt=True),
+            wordlevel=args.wordlevel,
         )
     finally:
         engine.stop()
@@ -233,8 +239,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.device == "cpu":
         ensure_tiny_model(Path(args.model))
-    global _WORDLEVEL
-    _WORDLEVEL = Words(args.model, seed=0).wordlevel
+    args.wordlevel = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
     rows = _pd_side(args, seeds, logs / "pd") + _single_side(args, seeds, logs)

@@ -31,22 +31,17 @@ from bench._common import (
 )
 
 NAME = "prefill_route"
-ROUTES = {
-    "completions (id prompt)": "/v1/completions",
-    "generate (detokenize off)": "/inference/v1/generate",
-}
+# Label -> the router's `generate` choice: the bodies are the router's own (`agentkv._wire.token_prefill`),
+# with empty kv_transfer_params (one server, nothing to transfer).
+ROUTES = {"completions (id prompt)": False, "generate (detokenize off)": True}
 
 
-def _body(route: str, ids: list[int], model: str) -> dict[str, Any]:
-    if route == "/v1/completions":
-        return {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0}
-    sampling = {"max_tokens": 1, "temperature": 0, "detokenize": False}
-    return {"model": model, "token_ids": ids, "sampling_params": sampling}
+def _timed(client: httpx.Client, ids: list[int], model: str, *, generate: bool) -> float:
+    from agentkv._wire import token_prefill
 
-
-def _timed(client: httpx.Client, url: str, body: dict[str, Any]) -> float:
+    path, body = token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=generate)
     t0 = time.perf_counter()
-    r = client.post(url, json=body)
+    r = client.post(path, json=body)
     ms = (time.perf_counter() - t0) * 1e3
     r.raise_for_status()
     return ms
@@ -87,11 +82,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n in lengths:
                 ids = [rng.randrange(100, vocab) for _ in range(n)]
                 with console.status(f"computing a {n:,}-token prompt once ..."):
-                    _timed(client, "/v1/completions", _body("/v1/completions", ids, name))
+                    _timed(client, ids, name, generate=False)
                 times: dict[str, list[float]] = {label: [] for label in ROUTES}
                 for _ in range(args.rounds):
-                    for label, route in ROUTES.items():
-                        times[label].append(_timed(client, route, _body(route, ids, name)))
+                    for label, generate in ROUTES.items():
+                        times[label].append(_timed(client, ids, name, generate=generate))
                 rows.append({"tokens": n, **{label: summarize(ms) for label, ms in times.items()}})
     finally:
         engine.stop()

@@ -20,6 +20,11 @@ logger = logging.getLogger("agentkv.router")
 Retained = dict[str, Any]  # the service's answer: request_id, kv_transfer_params, expires_in_s, num_tokens
 
 
+# The first vLLM release whose decode takes forwarded prompt ids and whose generate route hands
+# kv_transfer_params to the engine.
+_TOKENS_IN = (0, 32)
+
+
 class LeaseClient:
     """Talks to `control_url` of each decode. Every failure maps to None/False: leases are an
     optimisation, so a missing or broken service never fails a client's turn."""
@@ -82,20 +87,20 @@ class LeaseClient:
                 state.release = release or (0, 0)
         return state.release
 
+    async def _runs_tokens_in(self, state: BackendState) -> bool:
+        release = await self.release_of(state)
+        return release is not None and release >= _TOKENS_IN
+
     async def learn_takes_ids(self, decode: BackendState) -> bool:
         """Whether decode renders from forwarded `kv_transfer_params["prompt_token_ids"]` instead of the
         messages (vLLM >= 0.32); older ones would only carry the ids along unused."""
-        release = await self.release_of(decode)
-        return release is not None and release >= (0, 32)
+        return await self._runs_tokens_in(decode)
 
     async def learn_generates(self, prefill: BackendState) -> bool:
         """Whether prefill's `/inference/v1/generate` hands `kv_transfer_params` to its engine (vLLM >= 0.32;
         0.26 drops them), so the token path's prefill hop can skip detokenizing its one token; not once the
         route failed us (`BackendState.generates`)."""
-        if prefill.generates is False:
-            return False
-        release = await self.release_of(prefill)
-        return release is not None and release >= (0, 32)
+        return prefill.generates is not False and await self._runs_tokens_in(prefill)
 
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
         """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the
