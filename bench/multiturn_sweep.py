@@ -11,6 +11,9 @@ emulates), so every reused token comes from decode. A further, optional leg ``fl
 reuse can at best achieve: OFF with prefill's own prefix cache on, so
 turn N's prefill computes only what is new since turn N-1, over the same context, with no transfer (it
 computes up to one block more than ON, whose reuse also covers the previous prompt's partial last block).
+Leg ``agg`` is what a user would otherwise run on the same hardware: one vLLM server with prefix caching, no
+P/D and no router (``--agg-engine-arg``: give it the memory of P and D); the client talks to it directly, and
+its one hop is the whole TTFT (``p_*`` columns: its queue, its compute, the rest).
 
 Per turn, prefill's and decode's engine histograms split the time: engine queue (for a request with remote
 KV this is the wait for the transfer and the steps around it), engine prefill compute, and the rest of the
@@ -247,6 +250,8 @@ def run_leg(
                 before = scrape(prefill_url)
                 d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                 row = stream_turn(router, model, cid, history, args.output_tokens)
+                if leg == "agg":  # no router, no headers: the one server's hop is the whole turn
+                    row["prefill_ms"] = row["ttft_ms"]
                 after = scrape(prefill_url)
                 d_after = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                 history.append({"role": "assistant", "content": row.pop("text")})
@@ -312,7 +317,8 @@ def run_leg(
                 )
             # Close the conversation as the SDK's Session.close does: decode releases its lease at once, so
             # the next conversation finds decode's KV free (on a 32B shape one retained 24k turn fills it).
-            httpx.delete(f"{router}/v1/conversations/{cid}", timeout=30)
+            if leg != "agg":
+                httpx.delete(f"{router}/v1/conversations/{cid}", timeout=30)
     return rows
 
 
@@ -346,6 +352,35 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
     return cluster
 
 
+def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
+    """Leg ``agg``: one vLLM server with prefix caching; the client streams to it directly."""
+    from agentkv.server._launcher import Engine, EngineSpec
+
+    spec = EngineSpec(
+        role="single",
+        model=args.model,
+        device=args.device,
+        port=args.port_base + 300,
+        max_model_len=args.max_model_len,
+        prefix_caching=True,
+        cpu_kvcache_gib=2,  # on CPU, the KV space of P and D together (1 GiB each)
+        extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
+        env=dict(e.split("=", 1) for e in args.env or []),
+        log_path=Path(args.log_dir) / "agg" / "single.log",
+    )
+    engine = Engine(spec=spec, name="single")
+    t = time.monotonic()
+    engine.start()
+    try:
+        engine.wait_healthy(timeout_s=900)
+        print(f"[agg] engine ready in {time.monotonic() - t:.0f}s", flush=True)
+        model = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        with _progress(f"agg {shape}", _turns(args, shape)) as advance:
+            return run_leg(args, shape, "agg", spec.url, spec.url, model, on_turn=advance)
+    finally:
+        engine.stop()
+
+
 def start_leg_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
     from agentkv.server._launcher import start_router
 
@@ -371,7 +406,7 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
         if shape == "agentic" and label != "suffix":
             continue
         entry: dict[str, Any] = {"target_tokens": target, "label": label}
-        for leg in ("off", "on", "exact", "floor"):
+        for leg in ("off", "on", "exact", "floor", "agg"):
             rs = [r for r in rows if r["leg"] == leg and r["target_tokens"] == target and r["label"] == label]
             if not rs:
                 continue
@@ -404,6 +439,8 @@ def summarize(rows: list[dict[str, Any]], shape: str) -> list[dict[str, Any]]:
         for leg in REUSE_LEGS:
             if entry.get("ttft_ms_off") and entry.get(f"ttft_ms_{leg}"):
                 entry[f"ttft_ratio_{leg}_off"] = round(entry[f"ttft_ms_{leg}"] / entry["ttft_ms_off"], 3)
+        if entry.get("ttft_ms_agg") and entry.get("ttft_ms_on"):
+            entry["ttft_ratio_on_agg"] = round(entry["ttft_ms_on"] / entry["ttft_ms_agg"], 3)
         if entry.get("prefill_ms_floor") and entry.get("prefill_ms_on"):
             entry["prefill_ratio_on_floor"] = round(entry["prefill_ms_on"] / entry["prefill_ms_floor"], 3)
         out.append(entry)
@@ -424,7 +461,12 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         next(
             (
                 s[k]
-                for k in ("input_num_tokens_on", "input_num_tokens_off", "input_num_tokens_floor")
+                for k in (
+                    "input_num_tokens_on",
+                    "input_num_tokens_off",
+                    "input_num_tokens_floor",
+                    "input_num_tokens_agg",
+                )
                 if s.get(k)
             ),
             s["target_tokens"],
@@ -442,6 +484,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
                     ("on", "reuse ON"),
                     ("exact", "reuse ON, exact"),
                     ("floor", "floor (prefill cache warm)"),
+                    ("agg", "one vLLM server, prefix cache"),
                 )
                 if leg in ("off", "on") or any(s.get(f"ttft_ms_{leg}") for s in summary)
             },
@@ -489,6 +532,8 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
         "P->D MB on",
         "2-node TTFT off",
         "2-node TTFT on",
+        "TTFT agg",
+        "on/agg",
     ]
     rows = [
         [
@@ -508,6 +553,8 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             _mb(s.get("bytes_p_to_d_on")),
             s.get("ttft_two_node_ms_off"),
             s.get("ttft_two_node_ms_on"),
+            s.get("ttft_ms_agg"),
+            s.get("ttft_ratio_on_agg"),
         ]
         for s in summary
     ]
@@ -548,9 +595,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--legs",
         default="off,on",
-        help="off, on (the router's default), exact (bit-identical), floor (OFF, prefill prefix cache)",
+        help="off, on (the router's default), exact (bit-identical), floor (OFF, prefill prefix cache), "
+        "agg (one vLLM server with prefix caching, no router)",
     )
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag (repeat)")
+    ap.add_argument(
+        "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
+    )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")
@@ -614,6 +665,10 @@ def main(argv: list[str] | None = None) -> None:
                     on_turn=advance,
                 )
     for leg in [] if args.router else args.legs.split(","):
+        if leg == "agg":
+            for shape in shapes:
+                rows[shape] += run_agg(args, shape)
+            continue
         cluster = start_leg(args, leg)
         try:
             for shape in shapes:
