@@ -13,6 +13,7 @@ from typing import Any
 __all__ = [
     "GENERATE_PATH",
     "KV_KEY",
+    "MESSAGES_PATH",
     "OFFER_DECODED_KEY",
     "PROMPT_IDS_KEY",
     "RETAIN_KEY",
@@ -41,9 +42,12 @@ RETAIN_KEY = "agentkv_retain"
 OFFER_DECODED_KEY = "agentkv_offer_decoded"
 TOKEN_PREFILL_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"
+# Anthropic's Messages API, which vLLM serves (and renders, >= 0.32) through its chat machinery.
+MESSAGES_PATH = "/v1/messages"
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
     "/v1/completions": "/v1/completions/render",
+    MESSAGES_PATH: "/v1/messages/render",
 }
 
 

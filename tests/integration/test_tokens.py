@@ -8,6 +8,7 @@ what the chat template renders beyond the messages (tools, kwargs).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -16,6 +17,7 @@ from agentkv.server._cluster import Cluster
 
 from ._cases import TOOLS, two_turns
 from ._helpers import (
+    HTTP_TIMEOUT_S,
     MODEL,
     RouterProc,
     assert_agrees_up_to_rounding,
@@ -119,3 +121,111 @@ def test_completions_take_the_token_path_and_reuse(router: RouterProc, router_of
         got, ref = on.json()["choices"][0], off.json()["choices"][0]
         assert got["text"] == ref["text"]
         prompt += got["text"] + " tool result: " + conversation_script(35 + i, 2)[1]
+
+
+def _message(
+    url: str,
+    messages: list[dict[str, Any]],
+    *,
+    conversation_id: str | None = None,
+    stream: bool = False,
+    **extra: Any,
+) -> tuple[dict[str, str], str, list[dict[str, Any]]]:
+    """One greedy turn on Anthropic's Messages API: headers, the answer's text and (streamed) the events."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 10,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
+    headers = {"x-session-id": conversation_id} if conversation_id else {}
+    r = httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    if not stream:
+        answer = r.json()
+        assert answer["type"] == "message" and "kv_transfer_params" not in answer, answer
+        return dict(r.headers), "".join(b["text"] for b in answer["content"] if b["type"] == "text"), []
+    assert "[DONE]" not in r.text  # the Messages API's own stream grammar, not OpenAI's
+    events = []
+    for block in r.text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}" and "kv_transfer_params" not in event, block
+        events.append(event)
+    text = "".join(
+        e["delta"]["text"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
+    )
+    return dict(r.headers), text, events
+
+
+def test_messages_take_the_token_path_and_reuse(
+    cluster: Cluster, router: RouterProc, router_off: RouterProc
+) -> None:
+    """Anthropic's Messages API through the router: rendered once on prefill (`/v1/messages/render`),
+    prefilled from ids, reused on ids, answered (and streamed) in its own format, equal to reuse OFF."""
+    p_url = cluster.prefills[0].spec.url
+    before = _requests(p_url, "/v1/messages")
+    script = conversation_script(36, 3)
+    cid = new_id("messages")
+    history: list[dict[str, Any]] = []
+    for i, msg in enumerate(script):
+        history.append({"role": "user", "content": [{"type": "text", "text": msg}]})
+        stream = i == len(script) - 1
+        headers, text, events = _message(router.url, history, conversation_id=cid, stream=stream)
+        _, ref, _ = _message(router_off.url, history, conversation_id=new_id("messages-off"))
+        assert float(headers["x-agentkv-render-ms"]) > 0
+        assert headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), headers
+        assert int(headers["x-agentkv-reused-tokens"]) > (0 if i else -1)
+        assert text == ref  # exact mode: the same tokens as a recompute
+        if stream:
+            assert events[0]["type"] == "message_start" and events[-1]["type"] == "message_stop"
+            assert events[-2]["delta"]["stop_reason"] in ("max_tokens", "end_turn"), events[-2]
+        history.append({"role": "assistant", "content": [{"type": "text", "text": text}]})
+    # Prefill rendered each turn and took ids; it never served the Messages API itself.
+    assert _requests(p_url, "/v1/messages") == before
+
+
+def test_messages_with_another_system_prompt_never_reuse(router: RouterProc, router_off: RouterProc) -> None:
+    """Anthropic's `system` is not a message: the template renders it at the top of the prompt, so a turn
+    that changes it extends the messages but not the tokens decode holds."""
+    cid = new_id("messages-system")
+    script = conversation_script(37, 2)
+    history: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
+    _, first, _ = _message(router.url, history, conversation_id=cid, system="You answer briefly.")
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": script[1]}]
+    headers, second, _ = _message(router.url, history, conversation_id=cid, system="You answer at length.")
+    assert headers["x-agentkv-reuse"] == "mismatch", headers
+    assert headers["x-agentkv-reused-tokens"] == "0"
+    _, ref, _ = _message(router_off.url, history, system="You answer at length.")
+    assert second == ref
+
+
+def test_messages_without_max_tokens_are_refused_with_an_openai_error(router: RouterProc) -> None:
+    r = httpx.post(
+        f"{router.url}/v1/messages",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "max_tokens"
+
+
+def test_messages_serve_a_short_suffix_on_decode(
+    router_auto: RouterProc, router_off_inexact: RouterProc
+) -> None:
+    """The default router's decode-local path on the Messages API: decode computes the new tokens over what
+    it holds, as vLLM's prefix cache would; the answer is the one decode's own prefix cache gives."""
+    cid = new_id("messages-local")
+    script = conversation_script(38, 2)
+    history: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
+    _, first, _ = _message(router_auto.url, history, conversation_id=cid)
+    history += [{"role": "assistant", "content": first}, {"role": "user", "content": "ok"}]
+    headers, second, events = _message(router_auto.url, history, conversation_id=cid, stream=True)
+    assert (headers["x-agentkv-path"], headers["x-agentkv-reuse"]) == ("decode-local", "local"), headers
+    assert events[-1]["type"] == "message_stop"
+    _, ref, _ = _message(router_off_inexact.url, history)
+    assert second == ref

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv._exceptions import APIStatusError
+from agentkv._wire import MESSAGES_PATH
 
 from ._backend import BackendPool
 from ._book import TurnBook
@@ -265,6 +266,7 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", _completion_route("chat", "/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _completion_route("completions", "/v1/completions"), methods=["POST"]),
+        Route("/v1/messages", _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),

@@ -25,7 +25,7 @@ __all__ = [
     "validate_conversation_id",
 ]
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "messages"]
 
 _ID_RE = re.compile(CONVERSATION_ID_PATTERN)
 _NO_TENANT = "-"
@@ -103,7 +103,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         raise client_error(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise client_error(400, "request body must be a JSON object")
-    if endpoint == "chat":
+    if endpoint in ("chat", "messages"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise client_error(400, "'messages' must be a non-empty array", param="messages")
@@ -112,6 +112,9 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
                 raise client_error(
                     400, "each message must be an object with a string 'role'", param="messages"
                 )
+        # Anthropic's API requires max_tokens, and so does vLLM's implementation of it.
+        if endpoint == "messages" and "max_tokens" not in body:
+            raise client_error(400, "'max_tokens' is required", param="max_tokens")
     else:
         prompt = body.get("prompt")
         if not _is_prompt(prompt):

@@ -334,7 +334,7 @@ class TurnRunner:
         resp: httpx.Response,
         stack: contextlib.AsyncExitStack,
     ) -> Response:
-        output = TurnOutput()
+        output = TurnOutput(anthropic=turn.anthropic)
         try:
             try:
                 content = await resp.aread()

@@ -20,7 +20,7 @@ from ._book import TurnBook
 from ._errors import error_body
 from ._hops import close_quietly
 from ._services import RouterServices
-from ._sse import DONE, EventSplitter, TurnOutput, error_event
+from ._sse import EventSplitter, TurnOutput, stream_error
 from ._store import ConversationRecord
 from ._turn import Turn
 
@@ -62,14 +62,14 @@ class Relay:
         self._sv, self._book = services, book
         self._turn, self._record, self._decode = turn, record, decode
         self._resp, self._stack = resp, stack
-        self._output = TurnOutput()
+        self._output = TurnOutput(anthropic=turn.anthropic)
         self._ok = False
         self._closed: asyncio.Task[None] | None = None
         self._splitter: EventSplitter | None = None
 
     async def events(self) -> AsyncIterator[bytes]:
         """Forward decode's events as they complete; never buffer the stream. A break after the first
-        byte ends with one error event and [DONE], so clients never hang."""
+        byte ends with one error event (and [DONE] in OpenAI's dialect), so clients never hang."""
         turn, timeouts = self._turn, self._sv.settings.timeouts
         splitter = self._splitter = EventSplitter(output=self._output)
         failure: str | None = None
@@ -99,8 +99,7 @@ class Relay:
             failure = "decode engine connection lost"
             self._sv.metrics.backend_errors.labels(role="decode", kind="stream").inc()
         if failure is not None:
-            yield error_event(error_body(502, failure, code="stream_interrupted"))
-            yield DONE
+            yield stream_error(error_body(502, failure, code="stream_interrupted"), anthropic=turn.anthropic)
 
     async def close(self) -> None:
         # One cleanup task shared by every caller; shielded so a client hang-up cannot cut it short.

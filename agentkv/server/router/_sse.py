@@ -1,4 +1,7 @@
-"""Server-sent events from decode: split into events, strip kv params, and assemble what decode said."""
+"""Server-sent events from decode: split into events, strip kv params, and assemble what decode said.
+
+Two dialects: OpenAI's (chat and text completions: `data:` chunks ending with `data: [DONE]`) and
+Anthropic's Messages API (`event:` + `data:` pairs ending with `message_stop`, no `[DONE]`)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Any
 
 from ._params import strip_kv_json
 
-__all__ = ["ABORTED", "DONE", "EventSplitter", "TurnOutput", "error_event"]
+__all__ = ["ABORTED", "DONE", "EventSplitter", "TurnOutput", "error_event", "stream_error"]
 
 DONE = b"data: [DONE]\n\n"
 ABORTED = "abort"  # vLLM's finish_reason for a request it dropped before the end
@@ -17,6 +20,17 @@ ABORTED = "abort"  # vLLM's finish_reason for a request it dropped before the en
 
 def error_event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def stream_error(body: dict[str, Any], *, anthropic: bool) -> bytes:
+    """What ends a stream that broke after its first byte, in the stream's own dialect: an OpenAI error
+    chunk and `[DONE]`, or an Anthropic `error` event (which that API sends instead of `message_stop`)."""
+    if not anthropic:
+        return error_event(body) + DONE
+    error = body.get("error")
+    message = error.get("message") if isinstance(error, dict) else None
+    payload = {"type": "error", "error": {"type": "api_error", "message": message or ""}}
+    return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -28,14 +42,21 @@ class TurnOutput:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     kv_params: dict[str, Any] | None = None
+    # Anthropic's Messages API: content blocks and `stop_reason`; usage is kept in OpenAI's field names.
+    anthropic: bool = False
+    # Anthropic streams end with a `message_stop` event (the OpenAI dialect's `[DONE]`).
+    stopped: bool = False
 
     def assistant_message(self) -> dict[str, Any]:
         calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
         return {"role": "assistant", "content": self.content, "tool_calls": calls}
 
     def add_response(self, obj: Any) -> None:
-        """A whole non-streaming chat or text completion."""
+        """A whole non-streaming chat or text completion, or an Anthropic message."""
         if not isinstance(obj, dict):
+            return
+        if self.anthropic:
+            self._message(obj)
             return
         self._usage(obj)
         choice = _choice0(obj)
@@ -54,6 +75,9 @@ class TurnOutput:
     def add_chunk(self, obj: Any) -> None:
         """One streamed chunk: content and tool-call arguments arrive as deltas to concatenate."""
         if not isinstance(obj, dict):
+            return
+        if self.anthropic:
+            self._message_event(obj)
             return
         self._usage(obj)
         choice = _choice0(obj)
@@ -86,12 +110,71 @@ class TurnOutput:
         if isinstance(obj.get("usage"), dict):
             self.usage = obj["usage"]
 
+    def _message(self, obj: dict[str, Any]) -> None:
+        """A whole Anthropic message. vLLM leaves `stop_reason` out (null) for a request it aborted."""
+        self._anthropic_usage(obj.get("usage"))
+        self.finish_reason = obj.get("stop_reason") or ABORTED
+        for i, block in enumerate(obj.get("content") or []):
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "text":
+                self.content += block.get("text") or ""
+            elif block.get("type") == "tool_use":
+                self.tool_calls[i] = _tool_use(block, json.dumps(block.get("input") or {}))
+
+    def _message_event(self, obj: dict[str, Any]) -> None:
+        """One Anthropic stream event (its `data:` payload)."""
+        kind = obj.get("type")
+        if kind == "message_start" and isinstance(obj.get("message"), dict):
+            self._anthropic_usage(obj["message"].get("usage"))
+        elif kind == "content_block_start" and isinstance(obj.get("content_block"), dict):
+            block = obj["content_block"]
+            if block.get("type") == "tool_use" and isinstance(obj.get("index"), int):
+                self.tool_calls[obj["index"]] = _tool_use(block, "")
+        elif kind == "content_block_delta" and isinstance(obj.get("delta"), dict):
+            delta = obj["delta"]
+            if delta.get("type") == "text_delta":
+                self.content += delta.get("text") or ""
+            elif delta.get("type") == "input_json_delta" and obj.get("index") in self.tool_calls:
+                self.tool_calls[obj["index"]]["function"]["arguments"] += delta.get("partial_json") or ""
+        elif kind == "message_delta":
+            delta = obj.get("delta")
+            stop = delta.get("stop_reason") if isinstance(delta, dict) else None
+            # The final event: a null stop_reason is how the Messages API reports vLLM's "abort".
+            self.finish_reason = stop or ABORTED
+            self._anthropic_usage(obj.get("usage"))
+        elif kind == "message_stop":
+            self.stopped = True
+
+    def _anthropic_usage(self, usage: Any) -> None:
+        """Anthropic usage in OpenAI's names: its `input_tokens` leaves out the tokens read from or written
+        to the prefix cache, which are the prompt's too."""
+        if not isinstance(usage, dict):
+            return
+        counts = [
+            usage.get(k) for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+        ]
+        out: dict[str, Any] = {"prompt_tokens": sum(c for c in counts if isinstance(c, int))}
+        if isinstance(usage.get("output_tokens"), int):
+            out["completion_tokens"] = usage["output_tokens"]
+        if isinstance(usage.get("cache_read_input_tokens"), int):
+            out["prompt_tokens_details"] = {"cached_tokens": usage["cache_read_input_tokens"]}
+        self.usage = out
+
 
 def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
     for choice in obj.get("choices") or []:
         if isinstance(choice, dict) and choice.get("index", 0) == 0:
             return choice
     return None
+
+
+def _tool_use(block: dict[str, Any], arguments: str) -> dict[str, Any]:
+    """An Anthropic `tool_use` block as an OpenAI tool call."""
+    out = {"type": "function", "function": {"name": block.get("name") or "", "arguments": arguments}}
+    if block.get("id"):
+        out["id"] = block["id"]
+    return out
 
 
 def _call(call: dict[str, Any]) -> dict[str, Any]:
@@ -136,9 +219,14 @@ class EventSplitter:
     def _event(self, event: bytes) -> bytes:
         if self.aborted:
             return b""  # nothing after an abort reaches the client; the relay ends with an error event
+        head = b""
+        if self._output.anthropic and event.startswith(b"event:") and event.count(b"\n") == 3:
+            # Anthropic's `event: <type>` line, then its one `data:` line.
+            cut = event.index(b"\n") + 1
+            head, event = event[:cut], event[cut:]
         if not event.startswith(b"data:") or b"\n" in event[:-2]:
             # Comments and multi-line events carry no chunk we need; pass them through untouched.
-            return event
+            return head + event
         payload = event[5:-2].strip()
         if payload == b"[DONE]":
             self.done = True
@@ -153,9 +241,10 @@ class EventSplitter:
             try:
                 obj = json.loads(payload)
             except ValueError:
-                return event
+                return head + event
         self._output.add_chunk(obj)
         if self._output.finish_reason == ABORTED:
             self.aborted = True
             return b""
-        return event
+        self.done = self.done or self._output.stopped
+        return head + event

@@ -16,6 +16,7 @@ from agentkv._constants import (
     H_REUSE,
     H_REUSED_TOKENS,
 )
+from agentkv._wire import MESSAGES_PATH
 
 from ._backend import BackendState
 
@@ -26,7 +27,7 @@ __all__ = ["Turn"]
 class Turn:
     """One validated client request, ids already stripped from `body`."""
 
-    api_path: str  # /v1/chat/completions or /v1/completions
+    api_path: str  # /v1/chat/completions, /v1/completions or /v1/messages
     body: dict[str, Any]
     conversation_id: str | None
     key: str | None  # conversation_key(tenant, conversation_id)
@@ -58,6 +59,11 @@ class Turn:
     @property
     def prompt_ids(self) -> list[int] | None:
         return self.rendered["token_ids"] if self.rendered is not None else None
+
+    @property
+    def anthropic(self) -> bool:
+        """Anthropic's Messages API: its own answer and stream format, reused on token ids only."""
+        return self.api_path == MESSAGES_PATH
 
     @property
     def stream(self) -> bool:

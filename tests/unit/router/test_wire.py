@@ -11,7 +11,7 @@ from agentkv._wire import prefill_body
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
 from agentkv.server.router._params import strip_client_fields, strip_kv_json
 from agentkv.server.router._prefix import Prefix
-from agentkv.server.router._sse import EventSplitter, TurnOutput
+from agentkv.server.router._sse import ABORTED, EventSplitter, TurnOutput, stream_error
 
 
 @pytest.mark.parametrize(
@@ -171,3 +171,138 @@ def test_malformed_tool_calls_are_compared_as_sent_not_a_crash(calls: object) ->
     message = {"role": "assistant", "tool_calls": calls}
     assert canonical_message(message)["tool_calls"] == calls
     assert prompt_chars({"prompt": "p", "messages": [message]}) > 0
+
+
+def _anthropic_stream(stop_reason: str | None) -> bytes:
+    """A Messages API stream as vLLM 0.32 sends it: `event:` + `data:` pairs, no [DONE]."""
+    events = [
+        (
+            "message_start",
+            {"type": "message_start", "message": {"usage": {"input_tokens": 9, "output_tokens": 0}}},
+        ),
+        (
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}},
+        ),
+        (
+            "content_block_delta",
+            {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "hi"}},
+        ),
+        (
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 1,
+                "content_block": {"type": "tool_use", "id": "t1", "name": "ls"},
+            },
+        ),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 1,
+                "delta": {"type": "input_json_delta", "partial_json": '{"p":'},
+            },
+        ),
+        (
+            "content_block_delta",
+            {
+                "type": "content_block_delta",
+                "index": 1,
+                "delta": {"type": "input_json_delta", "partial_json": '"."}'},
+            },
+        ),
+        (
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": stop_reason},
+                "usage": {
+                    "input_tokens": 2,
+                    "output_tokens": 5,
+                    "cache_read_input_tokens": 7,
+                    "cache_creation_input_tokens": 0,
+                },
+            },
+        ),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+def test_anthropic_stream_is_relayed_untouched_and_assembled() -> None:
+    output = TurnOutput(anthropic=True)
+    splitter = EventSplitter(output=output)
+    stream = _anthropic_stream("tool_use")
+    out = b"".join(e for i in range(0, len(stream), 7) for e in splitter.feed(stream[i : i + 7]))
+    out += b"".join(splitter.flush())
+    assert out == stream and b"[DONE]" not in out
+    assert splitter.done and not splitter.aborted
+    assert output.content == "hi" and output.finish_reason == "tool_use"
+    assert output.tool_calls == {
+        1: {"type": "function", "id": "t1", "function": {"name": "ls", "arguments": '{"p":"."}'}}
+    }
+    # OpenAI's names: the prompt counts the tokens read from the prefix cache too.
+    assert output.usage == {
+        "prompt_tokens": 9,
+        "completion_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 7},
+    }
+
+
+def test_anthropic_stream_with_a_null_stop_reason_is_an_abort() -> None:
+    output = TurnOutput(anthropic=True)
+    splitter = EventSplitter(output=output)
+    out = b"".join(splitter.feed(_anthropic_stream(None)))
+    assert splitter.aborted and not splitter.done
+    assert b"message_delta" not in out and b"message_stop" not in out  # nothing after the abort
+
+
+def test_anthropic_stream_without_message_stop_is_not_done() -> None:
+    splitter = EventSplitter(output=TurnOutput(anthropic=True))
+    stream = _anthropic_stream("end_turn")
+    list(splitter.feed(stream[: stream.index(b"event: message_stop")]))
+    assert not splitter.done
+
+
+def test_anthropic_message_is_assembled() -> None:
+    output = TurnOutput(anthropic=True)
+    message = {
+        "type": "message",
+        "content": [
+            {"type": "text", "text": "a"},
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"x": 1}},
+        ],
+        "stop_reason": "tool_use",
+        "usage": {"input_tokens": 4, "output_tokens": 2},
+    }
+    output.add_response(message)
+    assert output.content == "a" and output.finish_reason == "tool_use"
+    assert output.tool_calls[1]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert output.usage == {"prompt_tokens": 4, "completion_tokens": 2}
+    aborted = TurnOutput(anthropic=True)
+    aborted.add_response({**message, "stop_reason": None})
+    assert aborted.finish_reason == ABORTED
+
+
+def test_stream_errors_speak_the_stream_dialect() -> None:
+    body = {"error": {"message": "decode engine connection lost", "type": "server_error"}}
+    openai = stream_error(body, anthropic=False)
+    assert openai.startswith(b"data: {") and openai.endswith(b"data: [DONE]\n\n")
+    anthropic = stream_error(body, anthropic=True)
+    name, data = anthropic.decode().strip().split("\n")
+    assert name == "event: error" and b"[DONE]" not in anthropic
+    assert json.loads(data.removeprefix("data: ")) == {
+        "type": "error",
+        "error": {"type": "api_error", "message": "decode engine connection lost"},
+    }
+
+
+def test_parse_body_messages_needs_max_tokens() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    with pytest.raises(APIStatusError) as info:
+        parse_body(json.dumps(body).encode(), "messages")
+    assert info.value.status_code == 400 and "max_tokens" in str(info.value)
+    assert parse_body(json.dumps({**body, "max_tokens": 4}).encode(), "messages")["max_tokens"] == 4
+    with pytest.raises(APIStatusError):
+        parse_body(json.dumps({**body, "max_tokens": 4, "messages": []}).encode(), "messages")
