@@ -447,11 +447,27 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--log-dir", default=".agentkv/bench-logs/goodput")
     ap.add_argument("--out", default=None, help="output dir (default bench/results/goodput_<device>)")
     ap.add_argument("--plot", default=None, help="only re-plot and re-print this JSON")
+    ap.add_argument(
+        "--merge", nargs="+", default=None, help="combine the legs of runs of one config into --out, then plot"
+    )
     return ap
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
+    if args.merge:
+        # The GPU host gives a command 10 minutes, so a run's legs may come from several calls.
+        docs = [json.loads(Path(p).read_text()) for p in args.merge]
+        merged = dict(docs[0]["data"])
+        merged["legs"] = {leg: r for d in docs for leg, r in d["data"]["legs"].items()}
+        merged["skipped_legs"] = {}
+        merged["merged_from"] = [d["command"] for d in docs]
+        merged["merged_versions"] = [d.get("versions") for d in docs]  # the runs' hosts, not this one
+        merged["wall_s"] = sum(d["data"].get("wall_s") or 0 for d in docs)
+        from bench._common import write_results
+
+        path = write_results(NAME, merged, out_dir=Path(args.out or "bench/results/goodput_merged"))
+        args.plot = str(path)
     if args.plot:
         doc = json.loads(Path(args.plot).read_text())
         stored = doc.get("data", doc)
