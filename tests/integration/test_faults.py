@@ -35,6 +35,7 @@ from ._helpers import (
     metric,
     new_id,
     pd_turn,
+    service_info,
 )
 
 SHORT = {
@@ -48,6 +49,10 @@ SHORT = {
 # outgoing connection can take a port at any moment.
 P_PORT, D_PORT, SIDE_PORT = 24100, 24200, 7600
 REDIS_PORT_FROM = 24050
+# The decode lease: it must outlast a decode's restart (about a minute here, several on a slow host), so that
+# a conversation left on the killed decode still holds its lease when it comes back and only the engine's new
+# registration can keep the router from offering the old engine's blocks.
+LEASE_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +90,7 @@ def cluster22(clusters: Clusters) -> Cluster:
         prefill_port=P_PORT,
         decode_port=D_PORT,
         side_channel_port=SIDE_PORT,
-        lease_s=60,
+        lease_s=LEASE_S,
         # Four engines on 2 cores: measured pulls (tens of ms of CPU starvation each) often lose to
         # recomputing a few hundred tiny-model tokens, so every verified offer is pulled (cost model off, the
         # suite's default, see _clusters.cluster_config): these tests are about routing and faults.
@@ -263,6 +268,7 @@ def test_decode_killed_between_turns_then_restarted(
             break
     assert len(convs) == 2 and target
     engine = _engine(cluster22, target)
+    old_engine_id = _engine_id(engine)
     engine.stop()
     (c1, h1), (c2, h2) = convs.items()
     h2.append({"role": "user", "content": "tool result: the decode died"})
@@ -275,13 +281,41 @@ def test_decode_killed_between_turns_then_restarted(
     engine.wait_healthy(timeout_s=600)
     for p in cluster22.prefills:  # the restarted engine's first NIXL handshakes (slow on 2 busy cores)
         pd_turn(p.spec.url, engine.spec.url, [{"role": "user", "content": "warm up"}], max_tokens=2)
-    time.sleep(8)  # a health round brings it back and re-reads its (new) engine registration
+    # The restarted engine registers anew, and the routers read that registration in the same health check
+    # that brings it back (HealthChecker._check probes decode right after counting it healthy).
+    _wait_new_engine_id(engine, old_engine_id)
     _wait_healthy_decodes([*replicas, off22], 2)
+    # c1's lease is still held (LEASE_S outlasts the restart): only the new registration can keep the router
+    # from offering the old engine's blocks, so the turn below tests that, not an expired lease.
+    lease = httpx.get(f"{b.url}/v1/conversations/{c1}", timeout=5).json()["lease"]
+    assert lease["state"] == "held", lease
     h1.append({"role": "user", "content": "tool result: after the restart"})
     t1 = chat(b.url, h1, conversation_id=c1)  # stale params of the old engine must not be used
     assert t1.headers.get("x-agentkv-reuse") != "hit"
     assert t1.ids == chat(off22.url, h1).ids
     _resumes(b, off22, c1, h1, t1)
+
+
+def _engine_id(engine: Engine) -> str:
+    """The engine id a decode's retention service reports: a restarted engine registers under a new one."""
+    assert engine.spec.service_url
+    engine_id = service_info(engine.spec.service_url)["engine_id"]
+    assert isinstance(engine_id, str), engine_id
+    return engine_id
+
+
+def _wait_new_engine_id(engine: Engine, old: str, timeout_s: float = 60) -> None:
+    """Until the restarted decode's retention service reports an engine id other than ``old``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            engine_id = _engine_id(engine)
+        except (httpx.HTTPError, ValueError):
+            engine_id = old  # the service is not listening yet
+        if engine_id != old:
+            return
+        assert time.monotonic() < deadline, f"{engine.name} still reports engine id {old} after its restart"
+        time.sleep(0.5)
 
 
 def test_prefill_down_other_prefill_serves(
