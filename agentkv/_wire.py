@@ -16,6 +16,7 @@ __all__ = [
     "MESSAGES_PATH",
     "OFFER_DECODED_KEY",
     "PROMPT_IDS_KEY",
+    "RESPONSES_PATH",
     "RETAIN_KEY",
     "TOKEN_PREFILL_PATH",
     "cut_offer",
@@ -44,10 +45,13 @@ TOKEN_PREFILL_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"
 # Anthropic's Messages API, which vLLM serves (and renders, >= 0.32) through its chat machinery.
 MESSAGES_PATH = "/v1/messages"
+# OpenAI's Responses API, stateless (no `previous_response_id`, `store` off), rendered by vLLM >= 0.32.
+RESPONSES_PATH = "/v1/responses"
 _RENDER_PATHS = {
     "/v1/chat/completions": "/v1/chat/completions/render",
     "/v1/completions": "/v1/completions/render",
     MESSAGES_PATH: "/v1/messages/render",
+    RESPONSES_PATH: "/v1/responses/render",
 }
 
 
@@ -75,9 +79,16 @@ def prefill_params(retained: dict[str, Any] | None) -> dict[str, Any]:
     return params
 
 
-def prefill_body(body: dict[str, Any], retained: dict[str, Any] | None) -> dict[str, Any]:
+def prefill_body(
+    body: dict[str, Any], retained: dict[str, Any] | None, *, responses: bool = False
+) -> dict[str, Any]:
+    """The client's body as P's request: one output token, not streamed, P's params. `responses`: the
+    Responses API, whose limit is `max_output_tokens`."""
     out = dict(body)
-    out["max_tokens"] = 1
+    if responses:
+        out["max_output_tokens"] = 1
+    else:
+        out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False

@@ -448,7 +448,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="output dir (default bench/results/goodput_<device>)")
     ap.add_argument("--plot", default=None, help="only re-plot and re-print this JSON")
     ap.add_argument(
-        "--merge", nargs="+", default=None, help="combine the legs of runs of one config into --out, then plot"
+        "--merge",
+        nargs="+",
+        default=None,
+        help="combine the legs of runs of one config into --out, then plot",
     )
     return ap
 

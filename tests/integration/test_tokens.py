@@ -123,6 +123,26 @@ def test_completions_take_the_token_path_and_reuse(router: RouterProc, router_of
         prompt += got["text"] + " tool result: " + conversation_script(35 + i, 2)[1]
 
 
+def _post_turn(
+    url: str, path: str, body: dict[str, Any], conversation_id: str | None
+) -> tuple[dict[str, str], Any]:
+    """One turn on an API with named events (Messages, Responses): headers and the JSON answer, or the
+    stream's events, checked for that API's own grammar (no `[DONE]`) and for leaked kv params."""
+    headers = {"x-session-id": conversation_id} if conversation_id else {}
+    r = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert "[DONE]" not in r.text and "kv_transfer_params" not in r.text, r.text
+    if not body.get("stream"):
+        return dict(r.headers), r.json()
+    events = []
+    for block in r.text.strip().split("\n\n"):
+        name, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert name == f"event: {event['type']}", block
+        events.append(event)
+    return dict(r.headers), events
+
+
 def _message(
     url: str,
     messages: list[dict[str, Any]],
@@ -132,34 +152,13 @@ def _message(
     **extra: Any,
 ) -> tuple[dict[str, str], str, list[dict[str, Any]]]:
     """One greedy turn on Anthropic's Messages API: headers, the answer's text and (streamed) the events."""
-    body = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": 10,
-        "temperature": 0,
-        "stream": stream,
-        **extra,
-    }
-    headers = {"x-session-id": conversation_id} if conversation_id else {}
-    r = httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
-    assert r.status_code == 200, r.text
+    body = {"model": MODEL, "messages": messages, "max_tokens": 10, "temperature": 0, "stream": stream}
+    headers, answer = _post_turn(url, "/v1/messages", {**body, **extra}, conversation_id)
     if not stream:
-        answer = r.json()
-        assert answer["type"] == "message" and "kv_transfer_params" not in answer, answer
-        return dict(r.headers), "".join(b["text"] for b in answer["content"] if b["type"] == "text"), []
-    assert "[DONE]" not in r.text  # the Messages API's own stream grammar, not OpenAI's
-    events = []
-    for block in r.text.strip().split("\n\n"):
-        name, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert name == f"event: {event['type']}" and "kv_transfer_params" not in event, block
-        events.append(event)
-    text = "".join(
-        e["delta"]["text"]
-        for e in events
-        if e["type"] == "content_block_delta" and e["delta"]["type"] == "text_delta"
-    )
-    return dict(r.headers), text, events
+        assert answer["type"] == "message", answer
+        return headers, "".join(b["text"] for b in answer["content"] if b["type"] == "text"), []
+    deltas = [e["delta"] for e in answer if e["type"] == "content_block_delta"]
+    return headers, "".join(d["text"] for d in deltas if d["type"] == "text_delta"), answer
 
 
 def test_messages_take_the_token_path_and_reuse(
@@ -229,3 +228,44 @@ def test_messages_serve_a_short_suffix_on_decode(
     assert events[-1]["type"] == "message_stop"
     _, ref, _ = _message(router_off_inexact.url, history)
     assert second == ref
+
+
+def _respond(
+    url: str, items: list[dict[str, Any]], *, conversation_id: str | None = None, stream: bool = False
+) -> tuple[dict[str, str], str, list[dict[str, Any]]]:
+    """One greedy turn on OpenAI's Responses API: headers, the answer's text and (streamed) the events."""
+    body = {"model": MODEL, "input": items, "max_output_tokens": 10, "temperature": 0, "stream": stream}
+    headers, answer = _post_turn(url, "/v1/responses", body, conversation_id)
+    if not stream:
+        assert answer["object"] == "response", answer
+        parts = [p for o in answer["output"] if o["type"] == "message" for p in o["content"]]
+        return headers, "".join(p["text"] for p in parts if p["type"] == "output_text"), []
+    return headers, "".join(e["delta"] for e in answer if e["type"] == "response.output_text.delta"), answer
+
+
+def test_responses_take_the_token_path_and_reuse(router: RouterProc, router_off: RouterProc) -> None:
+    """OpenAI's Responses API, stateless (the whole input each turn), through the router: rendered once,
+    reused on ids, answered and streamed in its own format, equal to reuse OFF; `previous_response_id`,
+    which needs one engine's memory, is refused before any engine is asked."""
+    script = conversation_script(39, 3)
+    cid = new_id("responses")
+    items: list[dict[str, Any]] = []
+    for i, msg in enumerate(script):
+        items.append({"type": "message", "role": "user", "content": msg})
+        stream = i == len(script) - 1
+        headers, text, events = _respond(router.url, items, conversation_id=cid, stream=stream)
+        _, ref, _ = _respond(router_off.url, items, conversation_id=new_id("responses-off"))
+        assert float(headers["x-agentkv-render-ms"]) > 0
+        assert headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), headers
+        assert text == ref  # exact mode: the same tokens as a recompute
+        if stream:
+            assert events[0]["type"] == "response.created"
+            assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+        items.append({"type": "message", "role": "assistant", "content": text})
+    r = httpx.post(
+        f"{router.url}/v1/responses",
+        json={"model": MODEL, "input": "next", "previous_response_id": "resp_x"},
+        headers={"x-session-id": cid},
+        timeout=30,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv._exceptions import APIStatusError
-from agentkv._wire import MESSAGES_PATH
+from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH
 
 from ._backend import BackendPool
 from ._book import TurnBook
@@ -175,12 +175,18 @@ def _completion_route(endpoint: Endpoint, api_path: str) -> Handler:
             models = await router.known_models()
             if models is not None and model not in models:
                 raise client_error(404, f"The model `{model}` does not exist.", param="model", code=404)
+        request_id = new_request_id()
+        if endpoint == "responses":
+            # vLLM names a response's engine request after the body's `request_id` (not X-Request-Id), and
+            # the retention service finds decode's blocks by the router's id; `store` would keep every
+            # response in one engine's memory for good.
+            body = {**body, "request_id": f"resp_{request_id}", "store": False}
         turn = Turn(
             api_path=api_path,
             body=body,
             conversation_id=conversation_id,
             key=conversation_key(tenant, conversation_id) if conversation_id else None,
-            request_id=new_request_id(),
+            request_id=request_id,
             final=final_turn(request.headers),
         )
         return await router.runner.run(turn)
@@ -267,6 +273,7 @@ def create_app(
         Route("/v1/chat/completions", _completion_route("chat", "/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _completion_route("completions", "/v1/completions"), methods=["POST"]),
         Route("/v1/messages", _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
+        Route("/v1/responses", _completion_route("responses", RESPONSES_PATH), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),

@@ -90,9 +90,9 @@ class TurnBook:
             retained_tokens=tokens,
             # On the token path the ids are the check; hashing every message again would cost a pass over
             # the whole conversation per turn for nothing.
-            # Anthropic messages (a top-level `system`, content blocks) are checked on token ids only.
+            # Messages and Responses bodies (a top-level `system` or `instructions`) are checked on ids only.
             prefix=None
-            if held_ids is not None or turn.anthropic
+            if held_ids is not None or turn.dialect != "openai"
             else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self._sv.settings.exact),
             tokens=held_ids,
         )

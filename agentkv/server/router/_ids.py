@@ -25,7 +25,7 @@ __all__ = [
     "validate_conversation_id",
 ]
 
-Endpoint = Literal["chat", "completions", "messages"]
+Endpoint = Literal["chat", "completions", "messages", "responses"]
 
 _ID_RE = re.compile(CONVERSATION_ID_PATTERN)
 _NO_TENANT = "-"
@@ -115,6 +115,8 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         # Anthropic's API requires max_tokens, and so does vLLM's implementation of it.
         if endpoint == "messages" and "max_tokens" not in body:
             raise client_error(400, "'max_tokens' is required", param="max_tokens")
+    elif endpoint == "responses":
+        _check_responses(body)
     else:
         prompt = body.get("prompt")
         if not _is_prompt(prompt):
@@ -123,7 +125,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         raise client_error(400, "'model' must be a string", param="model")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
         raise client_error(400, "'stream' must be a boolean", param="stream")
-    for field in ("max_tokens", "max_completion_tokens"):
+    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = body.get(field)
         if value is not None and (type(value) is not int or value < 1):
             raise client_error(400, f"'{field}' must be a positive integer", param=field)
@@ -131,6 +133,32 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     if options is not None and not isinstance(options, dict):
         raise client_error(400, "'stream_options' must be an object", param="stream_options")
     return body
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """The Responses API as a stateless P/D turn. Each turn may run on other engines, and vLLM keeps a
+    response's state in the memory of the one engine that answered it, so what needs that state is refused:
+    the client sends the whole input every turn (as with chat), agentkv keeps the KV."""
+    inp = body.get("input")
+    if not (isinstance(inp, str) and inp) and not (isinstance(inp, list) and inp):
+        raise client_error(400, "'input' must be a non-empty string or array", param="input")
+    if body.get("previous_response_id") is not None:
+        raise client_error(
+            400,
+            "previous_response_id is not supported through agentkv: send the whole conversation as 'input'",
+            param="previous_response_id",
+        )
+    if body.get("background"):
+        raise client_error(400, "background responses are not supported through agentkv", param="background")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise client_error(400, "'tools' must be an array", param="tools")
+    for tool in tools or []:
+        # Built-in and MCP tools make vLLM run sub-requests that would reuse this turn's transfer.
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            raise client_error(
+                400, "only tools of type 'function' are supported through agentkv", param="tools"
+            )
 
 
 def _is_prompt(prompt: Any) -> bool:

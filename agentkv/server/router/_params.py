@@ -21,7 +21,8 @@ def strip_client_fields(body: dict[str, Any]) -> tuple[dict[str, Any], bool]:
 
 
 def strip_kv_json(data: bytes) -> tuple[bytes, dict[str, Any] | None, Any]:
-    """Remove `kv_transfer_params` from a JSON document. Returns (bytes to forward, the params, parsed).
+    """Remove `kv_transfer_params` from a JSON document (top level, or in the `response` object a Responses
+    API event embeds). Returns (bytes to forward, the params, parsed).
 
     Only documents that mention the key are re-serialised, so ordinary chunks stream byte for byte."""
     if _KV_BYTES not in data:
@@ -30,7 +31,11 @@ def strip_kv_json(data: bytes) -> tuple[bytes, dict[str, Any] | None, Any]:
         obj = json.loads(data)
     except ValueError:
         return data, None, None
-    if not isinstance(obj, dict) or KV_KEY not in obj:
+    if not isinstance(obj, dict):
         return data, None, obj
-    params = obj.pop(KV_KEY)
+    # The Responses API's stream events carry them inside the response object they embed.
+    holder = obj["response"] if isinstance(obj.get("response"), dict) else obj
+    if KV_KEY not in holder:
+        return data, None, obj
+    params = holder.pop(KV_KEY)
     return json.dumps(obj, separators=(",", ":")).encode(), params if isinstance(params, dict) else None, obj

@@ -238,7 +238,7 @@ class TurnRunner:
         async def attempt(p: BackendState) -> dict[str, Any]:
             if rendered is not None:
                 return await self._token_prefill(p, turn, rendered, prefill_params(retained))
-            body = prefill_body(turn.body, retained)
+            body = prefill_body(turn.body, retained, responses=turn.dialect == "responses")
             return await sv.hops.post_json(
                 p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
             )
@@ -334,7 +334,7 @@ class TurnRunner:
         resp: httpx.Response,
         stack: contextlib.AsyncExitStack,
     ) -> Response:
-        output = TurnOutput(anthropic=turn.anthropic)
+        output = TurnOutput(dialect=turn.dialect)
         try:
             try:
                 content = await resp.aread()

@@ -62,7 +62,7 @@ class Relay:
         self._sv, self._book = services, book
         self._turn, self._record, self._decode = turn, record, decode
         self._resp, self._stack = resp, stack
-        self._output = TurnOutput(anthropic=turn.anthropic)
+        self._output = TurnOutput(dialect=turn.dialect)
         self._ok = False
         self._closed: asyncio.Task[None] | None = None
         self._splitter: EventSplitter | None = None
@@ -99,7 +99,7 @@ class Relay:
             failure = "decode engine connection lost"
             self._sv.metrics.backend_errors.labels(role="decode", kind="stream").inc()
         if failure is not None:
-            yield stream_error(error_body(502, failure, code="stream_interrupted"), anthropic=turn.anthropic)
+            yield stream_error(error_body(502, failure, code="stream_interrupted"), self._output)
 
     async def close(self) -> None:
         # One cleanup task shared by every caller; shielded so a client hang-up cannot cut it short.

@@ -1,14 +1,15 @@
 """Server-sent events from decode: split into events, strip kv params, and assemble what decode said.
 
-Two dialects: OpenAI's (chat and text completions: `data:` chunks ending with `data: [DONE]`) and
-Anthropic's Messages API (`event:` + `data:` pairs ending with `message_stop`, no `[DONE]`)."""
+Three dialects: OpenAI's completions (`data:` chunks ending with `data: [DONE]`), Anthropic's Messages API
+(`event:` + `data:` pairs ending with `message_stop`) and OpenAI's Responses API (`event:` + `data:` pairs
+ending with `response.completed` or `response.incomplete`); the last two send no `[DONE]`."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from ._params import strip_kv_json
 
@@ -22,14 +23,31 @@ def error_event(body: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-def stream_error(body: dict[str, Any], *, anthropic: bool) -> bytes:
+Dialect = Literal["openai", "anthropic", "responses"]
+# The events that end a stream of the event-named dialects (OpenAI's completions end with `[DONE]`).
+_FINAL_EVENTS = {"message_stop", "response.completed", "response.incomplete"}
+
+
+def stream_error(body: dict[str, Any], output: TurnOutput) -> bytes:
     """What ends a stream that broke after its first byte, in the stream's own dialect: an OpenAI error
-    chunk and `[DONE]`, or an Anthropic `error` event (which that API sends instead of `message_stop`)."""
-    if not anthropic:
+    chunk and `[DONE]`, or an `error` event (which the Messages and Responses APIs send instead of their
+    final event)."""
+    if output.dialect == "openai":
         return error_event(body) + DONE
     error = body.get("error")
-    message = error.get("message") if isinstance(error, dict) else None
-    payload = {"type": "error", "error": {"type": "api_error", "message": message or ""}}
+    error = error if isinstance(error, dict) else {}
+    message = error.get("message") or ""
+    payload: dict[str, Any]
+    if output.dialect == "anthropic":
+        payload = {"type": "error", "error": {"type": "api_error", "message": message}}
+    else:
+        payload = {
+            "type": "error",
+            "code": error.get("code"),
+            "message": message,
+            "param": None,
+            "sequence_number": output.sequence + 1,
+        }
     return b"event: error\ndata: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -42,10 +60,12 @@ class TurnOutput:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     kv_params: dict[str, Any] | None = None
-    # Anthropic's Messages API: content blocks and `stop_reason`; usage is kept in OpenAI's field names.
-    anthropic: bool = False
-    # Anthropic streams end with a `message_stop` event (the OpenAI dialect's `[DONE]`).
+    # Anthropic's Messages API and OpenAI's Responses API have their own answers and events; usage is kept
+    # in the completions' field names.
+    dialect: Dialect = "openai"
+    # Their streams end with a final event (the completions' `[DONE]`).
     stopped: bool = False
+    sequence: int = -1  # the Responses stream's last `sequence_number`
 
     def assistant_message(self) -> dict[str, Any]:
         calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
@@ -55,8 +75,11 @@ class TurnOutput:
         """A whole non-streaming chat or text completion, or an Anthropic message."""
         if not isinstance(obj, dict):
             return
-        if self.anthropic:
+        if self.dialect == "anthropic":
             self._message(obj)
+            return
+        if self.dialect == "responses":
+            self._response(obj)
             return
         self._usage(obj)
         choice = _choice0(obj)
@@ -76,8 +99,11 @@ class TurnOutput:
         """One streamed chunk: content and tool-call arguments arrive as deltas to concatenate."""
         if not isinstance(obj, dict):
             return
-        if self.anthropic:
+        if self.dialect == "anthropic":
             self._message_event(obj)
+            return
+        if self.dialect == "responses":
+            self._response_event(obj)
             return
         self._usage(obj)
         choice = _choice0(obj)
@@ -145,6 +171,48 @@ class TurnOutput:
             self._anthropic_usage(obj.get("usage"))
         elif kind == "message_stop":
             self.stopped = True
+
+    def _response(self, obj: dict[str, Any]) -> None:
+        """A whole Responses API response. vLLM reports a request it aborted as `completed` (text models),
+        so an abort cannot be told apart here; `failed` and `cancelled` can."""
+        status = obj.get("status")
+        self.finish_reason = status if status in ("completed", "incomplete") else ABORTED
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            out: dict[str, Any] = {}
+            for theirs, ours in (("input_tokens", "prompt_tokens"), ("output_tokens", "completion_tokens")):
+                if isinstance(usage.get(theirs), int):
+                    out[ours] = usage[theirs]
+            details = usage.get("input_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                out["prompt_tokens_details"] = {"cached_tokens": details["cached_tokens"]}
+            self.usage = out
+        for item in obj.get("output") or []:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") == "message":
+                for part in item.get("content") or []:
+                    if isinstance(part, dict) and part.get("type") == "output_text":
+                        self.content += part.get("text") or ""
+            elif item.get("type") == "function_call":
+                # Streamed or not, the final response lists the calls whole.
+                call = {"name": item.get("name"), "id": item.get("call_id")}
+                self.tool_calls[len(self.tool_calls)] = _tool_use(call, item.get("arguments") or "")
+
+    def _response_event(self, obj: dict[str, Any]) -> None:
+        """One Responses API stream event. Text arrives as deltas; the final event embeds the whole
+        response (usage, status); `response.failed` is an error, never an answer."""
+        if isinstance(obj.get("sequence_number"), int):
+            self.sequence = obj["sequence_number"]
+        kind = obj.get("type")
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            response = obj.get("response")
+            content, self.content = self.content, ""
+            self._response(response if isinstance(response, dict) else {})
+            self.content = content  # the deltas already carried it
+            self.stopped = kind != "response.failed"
+        elif kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
+            self.content += obj["delta"]
 
     def _anthropic_usage(self, usage: Any) -> None:
         """Anthropic usage in OpenAI's names: its `input_tokens` leaves out the tokens read from or written
@@ -220,8 +288,8 @@ class EventSplitter:
         if self.aborted:
             return b""  # nothing after an abort reaches the client; the relay ends with an error event
         head = b""
-        if self._output.anthropic and event.startswith(b"event:") and event.count(b"\n") == 3:
-            # Anthropic's `event: <type>` line, then its one `data:` line.
+        if self._output.dialect != "openai" and event.startswith(b"event:") and event.count(b"\n") == 3:
+            # The Messages and Responses APIs' `event: <type>` line, then its one `data:` line.
             cut = event.index(b"\n") + 1
             head, event = event[:cut], event[cut:]
         if not event.startswith(b"data:") or b"\n" in event[:-2]:

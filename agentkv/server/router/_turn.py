@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Literal
 
 from agentkv._constants import (
     H_CONVERSATION_ID,
@@ -16,18 +16,21 @@ from agentkv._constants import (
     H_REUSE,
     H_REUSED_TOKENS,
 )
-from agentkv._wire import MESSAGES_PATH
+from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH
 
 from ._backend import BackendState
 
-__all__ = ["Turn"]
+__all__ = ["Dialect", "Turn"]
+
+Dialect = Literal["openai", "anthropic", "responses"]
+_DIALECTS: dict[str, Dialect] = {MESSAGES_PATH: "anthropic", RESPONSES_PATH: "responses"}
 
 
 @dataclasses.dataclass(kw_only=True)
 class Turn:
     """One validated client request, ids already stripped from `body`."""
 
-    api_path: str  # /v1/chat/completions, /v1/completions or /v1/messages
+    api_path: str  # /v1/chat/completions, /v1/completions, /v1/messages or /v1/responses
     body: dict[str, Any]
     conversation_id: str | None
     key: str | None  # conversation_key(tenant, conversation_id)
@@ -61,9 +64,10 @@ class Turn:
         return self.rendered["token_ids"] if self.rendered is not None else None
 
     @property
-    def anthropic(self) -> bool:
-        """Anthropic's Messages API: its own answer and stream format, reused on token ids only."""
-        return self.api_path == MESSAGES_PATH
+    def dialect(self) -> Dialect:
+        """The answer and stream format: OpenAI's completions, Anthropic's Messages or OpenAI's Responses.
+        Only the completions are also checked on messages; the other two on token ids alone."""
+        return _DIALECTS.get(self.api_path, "openai")
 
     @property
     def stream(self) -> bool:

@@ -231,7 +231,7 @@ def _anthropic_stream(stop_reason: str | None) -> bytes:
 
 
 def test_anthropic_stream_is_relayed_untouched_and_assembled() -> None:
-    output = TurnOutput(anthropic=True)
+    output = TurnOutput(dialect="anthropic")
     splitter = EventSplitter(output=output)
     stream = _anthropic_stream("tool_use")
     out = b"".join(e for i in range(0, len(stream), 7) for e in splitter.feed(stream[i : i + 7]))
@@ -251,7 +251,7 @@ def test_anthropic_stream_is_relayed_untouched_and_assembled() -> None:
 
 
 def test_anthropic_stream_with_a_null_stop_reason_is_an_abort() -> None:
-    output = TurnOutput(anthropic=True)
+    output = TurnOutput(dialect="anthropic")
     splitter = EventSplitter(output=output)
     out = b"".join(splitter.feed(_anthropic_stream(None)))
     assert splitter.aborted and not splitter.done
@@ -259,14 +259,14 @@ def test_anthropic_stream_with_a_null_stop_reason_is_an_abort() -> None:
 
 
 def test_anthropic_stream_without_message_stop_is_not_done() -> None:
-    splitter = EventSplitter(output=TurnOutput(anthropic=True))
+    splitter = EventSplitter(output=TurnOutput(dialect="anthropic"))
     stream = _anthropic_stream("end_turn")
     list(splitter.feed(stream[: stream.index(b"event: message_stop")]))
     assert not splitter.done
 
 
 def test_anthropic_message_is_assembled() -> None:
-    output = TurnOutput(anthropic=True)
+    output = TurnOutput(dialect="anthropic")
     message = {
         "type": "message",
         "content": [
@@ -280,16 +280,16 @@ def test_anthropic_message_is_assembled() -> None:
     assert output.content == "a" and output.finish_reason == "tool_use"
     assert output.tool_calls[1]["function"] == {"name": "f", "arguments": '{"x": 1}'}
     assert output.usage == {"prompt_tokens": 4, "completion_tokens": 2}
-    aborted = TurnOutput(anthropic=True)
+    aborted = TurnOutput(dialect="anthropic")
     aborted.add_response({**message, "stop_reason": None})
     assert aborted.finish_reason == ABORTED
 
 
 def test_stream_errors_speak_the_stream_dialect() -> None:
     body = {"error": {"message": "decode engine connection lost", "type": "server_error"}}
-    openai = stream_error(body, anthropic=False)
+    openai = stream_error(body, TurnOutput())
     assert openai.startswith(b"data: {") and openai.endswith(b"data: [DONE]\n\n")
-    anthropic = stream_error(body, anthropic=True)
+    anthropic = stream_error(body, TurnOutput(dialect="anthropic"))
     name, data = anthropic.decode().strip().split("\n")
     assert name == "event: error" and b"[DONE]" not in anthropic
     assert json.loads(data.removeprefix("data: ")) == {
@@ -306,3 +306,88 @@ def test_parse_body_messages_needs_max_tokens() -> None:
     assert parse_body(json.dumps({**body, "max_tokens": 4}).encode(), "messages")["max_tokens"] == 4
     with pytest.raises(APIStatusError):
         parse_body(json.dumps({**body, "max_tokens": 4, "messages": []}).encode(), "messages")
+
+
+def _responses_stream(final: str = "response.completed", status: str = "completed") -> bytes:
+    """A Responses API stream as vLLM 0.32 sends it: the response object (with its kv params) embedded in
+    the first and last events."""
+    response = {"status": "in_progress", "kv_transfer_params": None, "usage": None, "output": []}
+    done = {
+        **response,
+        "status": status,
+        "kv_transfer_params": {"remote_block_ids": [[3]]},
+        "usage": {"input_tokens": 30, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 16}},
+        "output": [
+            {"type": "message", "content": [{"type": "output_text", "text": "ab"}]},
+            {"type": "function_call", "name": "ls", "call_id": "c1", "arguments": "{}"},
+        ],
+    }
+    events = [
+        {"type": "response.created", "sequence_number": 0, "response": response},
+        {"type": "response.output_text.delta", "sequence_number": 1, "delta": "a"},
+        {"type": "response.output_text.delta", "sequence_number": 2, "delta": "b"},
+        {"type": final, "sequence_number": 3, "response": done},
+    ]
+    return b"".join(f"event: {e['type']}\ndata: {json.dumps(e)}\n\n".encode() for e in events)
+
+
+def test_responses_stream_is_assembled_and_its_nested_kv_params_stripped() -> None:
+    output = TurnOutput(dialect="responses")
+    splitter = EventSplitter(output=output)
+    stream = _responses_stream()
+    out = b"".join(e for i in range(0, len(stream), 11) for e in splitter.feed(stream[i : i + 11]))
+    out += b"".join(splitter.flush())
+    assert b"kv_transfer_params" not in out and b"[DONE]" not in out
+    assert out.count(b"event: response.") == 4
+    assert splitter.done and output.kv_params == {"remote_block_ids": [[3]]}
+    assert output.content == "ab" and output.finish_reason == "completed" and output.sequence == 3
+    assert output.usage == {
+        "prompt_tokens": 30,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }
+    assert output.tool_calls[0] == {
+        "type": "function",
+        "id": "c1",
+        "function": {"name": "ls", "arguments": "{}"},
+    }
+    error = json.loads(stream_error({"error": {"message": "m", "code": "c"}}, output).split(b"data: ")[1])
+    assert error == {"type": "error", "code": "c", "message": "m", "param": None, "sequence_number": 4}
+
+
+def test_responses_stream_ends_with_incomplete_or_fails() -> None:
+    splitter = EventSplitter(output=TurnOutput(dialect="responses"))
+    list(splitter.feed(_responses_stream("response.incomplete", "incomplete")))
+    assert splitter.done  # vLLM >= 0.33's final event when max_output_tokens cut the answer
+    failed = EventSplitter(output=TurnOutput(dialect="responses"))
+    out = b"".join(failed.feed(_responses_stream("response.failed", "failed")))
+    assert failed.aborted and not failed.done and b"response.failed" not in out
+
+
+def test_responses_json_is_assembled() -> None:
+    output = TurnOutput(dialect="responses")
+    body = json.loads(_responses_stream().split(b"data: ")[-1])["response"]
+    output.add_response(body)
+    assert output.content == "ab" and output.finish_reason == "completed"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"background": True}, "background"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools"),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ],
+)
+def test_parse_body_refuses_stateful_responses(extra: dict, param: str) -> None:
+    body = {"model": "m", "input": "hi", **extra}
+    with pytest.raises(APIStatusError) as info:
+        parse_body(json.dumps(body).encode(), "responses")
+    assert info.value.status_code == 400 and info.value.body["error"]["param"] == param
+
+
+def test_prefill_body_limits_the_responses_api_by_its_own_field() -> None:
+    out = prefill_body({"input": "hi", "max_output_tokens": 99, "stream": True}, None, responses=True)
+    assert out["max_output_tokens"] == 1 and "max_tokens" not in out and out["stream"] is False
