@@ -71,6 +71,13 @@ def serve(
     agentkv_connector: Annotated[
         bool, typer.Option(help="Use agentkv's connector (else stock vLLM).")
     ] = True,
+    batch_invariant: Annotated[
+        bool,
+        typer.Option(
+            help="vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1): on GPUs, what the router's "
+            "--exact needs on every engine for answers bit-identical to a recompute."
+        ),
+    ] = False,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -94,6 +101,7 @@ def serve(
         lease_s=lease_s,
         decoder_kv_blocks_ttl=decoder_kv_blocks_ttl,
         kv_recompute_threshold=kv_recompute_threshold,
+        env={"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {},
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)
@@ -240,7 +248,8 @@ def router(
     exact: Annotated[
         bool | None,
         typer.Option(
-            help="Answers bit-identical to a recompute (default off: prefix-cache semantics, faster)."
+            help="Answers bit-identical to a recompute (default off: prefix-cache semantics, faster); on "
+            "GPUs the engines also need batch-invariant kernels (agentkv serve --batch-invariant)."
         ),
     ] = None,
     prefix_guard: Annotated[

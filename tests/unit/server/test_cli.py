@@ -240,3 +240,19 @@ def test_demo_table_says_what_its_timings_measure(capsys: pytest.CaptureFixture[
     assert "call ms" in header and "ttft" not in header.lower()
     assert "there is no TTFT" in flat(out) and "request to last token" in flat(out)
     assert "41.5" in out and "420.0" in out
+
+
+def test_serve_batch_invariant_reaches_the_engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's exact mode needs vLLM's batch-invariant kernels on GPUs: `serve` sets them per engine."""
+    from agentkv.server._launcher import build_command
+
+    envs: list[dict[str, str]] = []
+
+    def no_start(engine: Any) -> None:
+        envs.append(build_command(engine.spec)[1])
+        raise SystemExit(0)
+
+    monkeypatch.setattr("agentkv.server._launcher.Engine.start", no_start)
+    invoke("serve", "decode", "--batch-invariant")
+    invoke("serve", "decode")
+    assert [e.get("VLLM_BATCH_INVARIANT") for e in envs] == ["1", None]
