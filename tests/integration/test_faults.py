@@ -53,6 +53,8 @@ REDIS_PORT_FROM = 24050
 # a conversation left on the killed decode still holds its lease when it comes back and only the engine's new
 # registration can keep the router from offering the old engine's blocks.
 LEASE_S = 300
+# The frozen-decode test's router: how long it waits for a frozen decode's first byte.
+FROZEN_FIRST_BYTE_S = 5
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +199,11 @@ def test_redis_restart_costs_reuse_once_then_resumes(
 
 
 def test_frozen_decode_times_out_cleanly_and_recovers(
-    cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
+    clusters: Clusters,
+    cluster22: Cluster,
+    replicas: list[RouterProc],
+    off22: RouterProc,
+    redis_server: tuple[subprocess.Popen[bytes], int],
 ) -> None:
     b = replicas[1]
     cid = new_id("frozen")
@@ -205,16 +211,30 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
     h.append({"role": "assistant", "content": chat(b.url, h, conversation_id=cid).text})
     engine = _engine(cluster22, _decode_of(b, cid))
     assert engine.pid
+    # The frozen turn goes through a third replica (same store, so the same sticky decode) whose first-byte
+    # timeout is FROZEN_FIRST_BYTE_S: the replicas' own 20 s leave room for starved engines in the other
+    # tests, and here only a frozen decode answers late, so waiting them out would prove nothing more.
+    fast = clusters.router(
+        "frozen",
+        "--exact",
+        "--path-policy",
+        "always-pd",
+        "--store-url",
+        f"redis://127.0.0.1:{redis_server[1]}/0",
+        env={**SHORT, "AGENTKV_TIMEOUTS__DECODE_FIRST_BYTE_S": str(FROZEN_FIRST_BYTE_S)},
+        shared=False,
+    )
     os.killpg(engine.pid, signal.SIGSTOP)
     try:
+        assert _decode_of(fast, cid) == _decode_of(b, cid)
         h.append({"role": "user", "content": "tool result: 3 rows"})
         t0 = time.monotonic()
         r = httpx.post(
-            f"{b.url}/v1/chat/completions",
+            f"{fast.url}/v1/chat/completions",
             headers={"x-session-id": cid},
             timeout=200,
-            # Streamed, as agents call: bounded by the router's first-byte timeout (20 s), where a
-            # non-streamed request waits out the whole-response one (90 s).
+            # Streamed, as agents call: bounded by the router's first-byte timeout, where a non-streamed
+            # request waits out the whole-response one (90 s).
             json={"model": "tiny", "messages": h, "max_tokens": 4, "temperature": 0, "stream": True},
         )
         elapsed = time.monotonic() - t0
@@ -223,6 +243,7 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
             assert r.status_code in (502, 503, 504) and "error" in r.json()
     finally:
         os.killpg(engine.pid, signal.SIGCONT)
+        fast.stop()
     # Every router must see the thawed decode again before the next fault: a router that still counts it
     # down when the other decode is killed has no decode left (seen once).
     _wait_healthy_decodes([*replicas, off22], 2)
