@@ -269,3 +269,57 @@ def test_responses_take_the_token_path_and_reuse(router: RouterProc, router_off:
         timeout=30,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
+
+
+def test_the_anthropic_and_openai_sdks_reuse_through_the_router(router: RouterProc) -> None:
+    """What coding agents and the OpenAI Agents SDK run on: the official clients (Anthropic's, and OpenAI's
+    Responses API), each streaming its second turn, both reusing decode's KV."""
+    import anthropic
+    import openai
+
+    script = conversation_script(40, 2)
+    cid = new_id("sdk-anthropic")
+    claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    session = {"x-session-id": cid}
+    messages: list[dict[str, Any]] = [{"role": "user", "content": script[0]}]
+    greedy = {"temperature": 0}  # this SDK release has no temperature argument; vLLM takes the field
+    raw = claude.messages.with_raw_response.create(
+        model=MODEL, max_tokens=8, messages=messages, extra_headers=session, extra_body=greedy
+    )
+    first = raw.parse()
+    assert raw.headers["x-agentkv-reuse"] == "miss" and first.stop_reason in ("max_tokens", "end_turn")
+    messages += [
+        {"role": "assistant", "content": first.content[0].text},
+        {"role": "user", "content": script[1]},
+    ]
+    with claude.messages.stream(
+        model=MODEL, max_tokens=8, messages=messages, extra_headers=session, extra_body=greedy
+    ) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+        assert stream.response.headers["x-agentkv-reuse"] == "hit"
+    assert text and final.content[0].text == text and final.usage.output_tokens > 0
+
+    cid = new_id("sdk-responses")
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
+    items: list[Any] = [{"role": "user", "content": script[0]}]
+    raw_response = client.responses.with_raw_response.create(
+        model=MODEL, input=items, max_output_tokens=8, temperature=0, extra_headers={"x-session-id": cid}
+    )
+    response = raw_response.parse()
+    assert raw_response.headers["x-agentkv-reuse"] == "miss" and response.output_text
+    items += [{"role": "assistant", "content": response.output_text}, {"role": "user", "content": script[1]}]
+    with client.responses.with_streaming_response.create(
+        model=MODEL,
+        input=items,
+        max_output_tokens=8,
+        temperature=0,
+        stream=True,
+        extra_headers={"x-session-id": cid},
+    ) as streamed:
+        assert streamed.headers["x-agentkv-reuse"] == "hit"
+        events = list(streamed.parse())
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.output_text == "".join(
+        e.delta for e in events if e.type == "response.output_text.delta"
+    )
