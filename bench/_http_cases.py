@@ -46,6 +46,12 @@ bodies = st.fixed_dictionaries(
         "prompt_cache_key": ids,
         "kv_transfer_params": json_values,
         "stream_options": json_values,
+        # The Responses API's fields, the stateful ones the router refuses among them.
+        "input": st.text(max_size=20) | json_values,
+        "max_output_tokens": st.integers(-2, 5) | json_values,
+        "previous_response_id": ids | json_values,
+        "background": st.booleans() | json_values,
+        "tools": json_values,
     },
 )
 # Well-formed chats with fuzzed extras: without them almost every completion is a 400, and the paths that
@@ -76,6 +82,8 @@ requests = st.tuples(
         [
             ("POST", "/v1/chat/completions"),
             ("POST", "/v1/completions"),
+            ("POST", "/v1/messages"),
+            ("POST", "/v1/responses"),
             ("GET", "/v1/conversations/{id}"),
             ("POST", "/v1/conversations/{id}/heartbeat"),
             ("DELETE", "/v1/conversations/{id}"),

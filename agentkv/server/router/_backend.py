@@ -85,8 +85,9 @@ class BackendState:
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.
     block_size: int | None = None
-    # Whether this prefill serves vLLM's render and tokens-in routes; None until a turn tried them.
-    renders: bool | None = None
+    # Per render route (chat, completions, messages, responses): whether this prefill serves it and the
+    # tokens-in routes; absent until a turn tried it. Per route: vLLM 0.26 renders chat but not messages.
+    renders: dict[str, bool] = dataclasses.field(default_factory=dict)
     # The engine's vLLM (major, minor) from its `/version`: which routes and fields it honours (decode takes
     # forwarded prompt ids and prefill's generate route keeps kv_transfer_params from 0.32 on); None until
     # learned, and again after the backend went down.

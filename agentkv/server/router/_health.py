@@ -74,7 +74,8 @@ class HealthChecker:
         state.healthy = ok
         if not ok:
             state.block_size = None  # a restarted engine may come back with another configuration
-            state.renders = state.release = state.generates = None
+            state.renders = {}
+            state.release = state.generates = None
         if ok and state.backend.role == "decode":
             # Re-probe every round: a restarted decode has a new engine id, which voids old blocks.
             await self._leases.probe(state)

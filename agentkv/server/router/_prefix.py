@@ -109,7 +109,8 @@ class Prefix:
     def matches(self, body: dict[str, Any]) -> bool:
         """Whether the new request starts with exactly this prefix and adds something after it."""
         if isinstance(body.get("messages"), list):
-            messages = body["messages"]
+            # As `of_turn` counted them: a completion's body may carry a junk `messages` the engine ignores.
+            messages = [m for m in body["messages"] if isinstance(m, dict)]
             if self.items < 0 or len(messages) <= self.items:
                 return False
             return self._of_messages(messages[: self.items]).digest == self.digest

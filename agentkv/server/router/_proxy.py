@@ -107,7 +107,7 @@ class TurnRunner:
         refused: list[BackendState] = []
 
         def choose(tried: frozenset[str]) -> BackendState | None:
-            return choose_prefill((p for p in sv.prefill if p.renders is not False), exclude=tried)
+            return choose_prefill((p for p in sv.prefill if p.renders.get(path) is not False), exclude=tried)
 
         async def attempt(p: BackendState) -> Any:
             try:
@@ -129,13 +129,13 @@ class TurnRunner:
                 return  # no prefill left that renders: the text path has its own choice (and its own 503)
             if not refused:
                 raise
-            logger.warning("%s serves no render API (HTTP %d): text to it", refused[0].name, exc.status_code)
-            refused[0].renders = False
+            logger.warning("%s serves no %s (HTTP %d): text to it", refused[0].name, path, exc.status_code)
+            refused[0].renders[path] = False
             return
         rendered = rendered_request(answer)
         if rendered is None:
             return  # several prompts or multimodal input: the text path handles those
-        prefill.renders = True
+        prefill.renders[path] = True
         turn.rendered, turn.render_prefill = rendered, prefill
         turn.render_ms = (time.perf_counter() - t0) * 1000
         self._sv.metrics.render_seconds.observe(turn.render_ms / 1000)
@@ -222,7 +222,8 @@ class TurnRunner:
         if rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
             first = turn.render_prefill
-            pool = [p for p in sv.prefill if p.renders]
+            path = render_path(turn.api_path)
+            pool = [p for p in sv.prefill if path is not None and p.renders.get(path)]
         else:
             first, pool = None, list(sv.prefill)
 

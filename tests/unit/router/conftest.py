@@ -145,6 +145,10 @@ class FakeEngines:
         if host.startswith("p") and path in self.prefill_refuses:
             status, message = self.prefill_refuses[path]
             return httpx.Response(status, json={"error": {"message": message, "type": "BadRequestError"}})
+        if path.startswith(("/v1/messages", "/v1/responses")):
+            # These fakes speak only OpenAI's completions (the other dialects are tested on the real engine):
+            # an engine without those routes.
+            return httpx.Response(404, json={"detail": "Not Found"})
         if path.endswith("/render"):
             if not self.renders:
                 return httpx.Response(404, json={"detail": "Not Found"})

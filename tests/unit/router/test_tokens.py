@@ -282,3 +282,22 @@ async def test_a_generate_answer_without_kv_params_sends_later_turns_to_completi
         r2 = await chat(client, then(USER1, r1))
     assert r1.status_code == r2.status_code == 200
     assert _prefill_routes(engines) == {"p0.test": [GENERATE, CMPL]}
+
+
+async def test_a_prefill_without_the_messages_render_keeps_rendering_chat(
+    engines: FakeEngines, make_client
+) -> None:
+    """vLLM 0.26 renders chat but has no `/v1/messages/render`: refusing that route must not take the chat
+    token path away from the prefill (what a prefill serves is remembered per render route)."""
+    engines.renders = True
+    async with make_client(tokens=True) as client:
+        r0 = await client.post(
+            "/v1/messages",
+            json={"model": "tiny", "max_tokens": 4, "messages": USER1},
+            headers={"x-session-id": "m1"},
+        )
+        r1 = await chat(client, USER1, max_tokens=20)
+    assert r0.status_code < 500 and "x-agentkv-render-ms" not in r0.headers
+    assert engines.requests("p", "/v1/messages/render")  # tried, refused (404)
+    assert r1.status_code == 200 and "x-agentkv-render-ms" in r1.headers
+    assert engines.requests("p", RENDER) and engines.requests("p", GENERATE)

@@ -391,3 +391,22 @@ def test_parse_body_refuses_stateful_responses(extra: dict, param: str) -> None:
 def test_prefill_body_limits_the_responses_api_by_its_own_field() -> None:
     out = prefill_body({"input": "hi", "max_output_tokens": 99, "stream": True}, None, responses=True)
     assert out["max_output_tokens"] == 1 and "max_tokens" not in out and out["stream"] is False
+
+
+def test_prefix_ignores_what_is_not_a_message() -> None:
+    """Found by bench.fuzz: a text completion whose body also carries a `messages` array of non-objects (the
+    engine ignores the field) crashed the router's check of the next turn (a 500)."""
+    first = {"messages": [{"role": "user", "content": "a"}, 7]}
+    prefix = Prefix.of_turn(first, {"role": "assistant", "content": "b"})
+    assert prefix is not None
+    assert not prefix.matches({"messages": [1023963988, True, None]})
+    assert prefix.matches(
+        {
+            "messages": [
+                {"role": "user", "content": "a"},
+                None,
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"},
+            ]
+        }
+    )
