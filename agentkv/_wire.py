@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "COUNT_TOKENS_PATH",
     "GENERATE_PATH",
     "KV_KEY",
     "MESSAGES_PATH",
@@ -45,6 +46,7 @@ TOKEN_PREFILL_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"
 # Anthropic's Messages API, which vLLM serves (and renders, >= 0.32) through its chat machinery.
 MESSAGES_PATH = "/v1/messages"
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 # OpenAI's Responses API, stateless (no `previous_response_id`, `store` off), rendered by vLLM >= 0.32.
 RESPONSES_PATH = "/v1/responses"
 _RENDER_PATHS = {

@@ -271,7 +271,7 @@ def test_responses_take_the_token_path_and_reuse(router: RouterProc, router_off:
     assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id", r.text
 
 
-def test_the_anthropic_and_openai_sdks_reuse_through_the_router(router: RouterProc) -> None:
+def test_the_anthropic_and_openai_sdks_reuse_through_the_router(cluster: Cluster, router: RouterProc) -> None:
     """What coding agents and the OpenAI Agents SDK run on: the official clients (Anthropic's, and OpenAI's
     Responses API), each streaming its second turn, both reusing decode's KV."""
     import anthropic
@@ -299,6 +299,9 @@ def test_the_anthropic_and_openai_sdks_reuse_through_the_router(router: RouterPr
         final = stream.get_final_message()
         assert stream.response.headers["x-agentkv-reuse"] == "hit"
     assert text and final.content[0].text == text and final.usage.output_tokens > 0
+    # The token count clients size their context with, rendered by a prefill: the turn's prompt length.
+    count = claude.messages.count_tokens(model=MODEL, messages=messages)
+    assert count.input_tokens == len(_render_ids(cluster.prefills[0].spec.url, messages))
 
     cid = new_id("sdk-responses")
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)

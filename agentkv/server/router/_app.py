@@ -7,6 +7,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -16,14 +17,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv._exceptions import APIStatusError
-from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH
+from agentkv._wire import COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 
-from ._backend import BackendPool
+from ._backend import BackendPool, BackendState
 from ._book import TurnBook
 from ._conversations import Conversations
 from ._errors import client_error, error_body, error_response
 from ._health import HealthChecker
-from ._hops import Hops
+from ._hops import Hops, with_failover
 from ._ids import (
     Endpoint,
     conversation_key,
@@ -37,6 +38,7 @@ from ._ids import (
 from ._lease import LeaseClient
 from ._metrics import RouterMetrics
 from ._params import strip_client_fields
+from ._policy import choose_prefill
 from ._proxy import TurnRunner
 from ._services import RouterServices
 from ._settings import RouterSettings
@@ -195,6 +197,29 @@ def _completion_route(endpoint: Endpoint, api_path: str) -> Handler:
 
 
 @_guarded
+async def _count_tokens(request: Request) -> Response:
+    """Anthropic's token count (clients size their context with it): answered by any prefill, which renders
+    the same body with the same template; nothing is kept."""
+    router: _Router = request.app.state.router
+    router.tenant(request)
+    body, _ = strip_client_fields(parse_body(await router.read_body(request), "count"))
+    sv, timeout_s = router.services, router.settings.timeouts.prefill_s
+
+    async def attempt(p: BackendState) -> Any:
+        return await sv.hops.post(p, COUNT_TOKENS_PATH, body, new_request_id(), total_s=timeout_s)
+
+    _, answer = await with_failover(
+        lambda tried: choose_prefill(sv.prefill, exclude=tried),
+        attempt,
+        role="prefill",
+        mark_down=router.settings.health_interval_s > 0,
+    )
+    if not isinstance(answer, dict):
+        raise client_error(502, "prefill engine returned a malformed response", code="upstream_error")
+    return JSONResponse(answer)
+
+
+@_guarded
 async def _models(request: Request) -> Response:
     router: _Router = request.app.state.router
     router.tenant(request)
@@ -273,6 +298,7 @@ def create_app(
         Route("/v1/chat/completions", _completion_route("chat", "/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _completion_route("completions", "/v1/completions"), methods=["POST"]),
         Route("/v1/messages", _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
+        Route(COUNT_TOKENS_PATH, _count_tokens, methods=["POST"]),
         Route("/v1/responses", _completion_route("responses", RESPONSES_PATH), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),

@@ -25,7 +25,7 @@ __all__ = [
     "validate_conversation_id",
 ]
 
-Endpoint = Literal["chat", "completions", "messages", "responses"]
+Endpoint = Literal["chat", "completions", "messages", "responses", "count"]
 
 _ID_RE = re.compile(CONVERSATION_ID_PATTERN)
 _NO_TENANT = "-"
@@ -103,7 +103,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         raise client_error(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):
         raise client_error(400, "request body must be a JSON object")
-    if endpoint in ("chat", "messages"):
+    if endpoint in ("chat", "messages", "count"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise client_error(400, "'messages' must be a non-empty array", param="messages")

@@ -240,3 +240,21 @@ async def test_completions_ignore_a_stray_messages_field(engines: FakeEngines, m
     async with make_client() as client:
         r = await client.post("/v1/completions", json={"model": "tiny", "messages": None, "prompt": "hi"})
     assert r.status_code == 200, r.text
+
+
+async def test_count_tokens_goes_to_a_prefill_and_keeps_nothing(engines: FakeEngines, make_client) -> None:
+    """Anthropic's token count is a prefill's answer, passed through; bad bodies stop at the router."""
+    async with make_client() as client:
+        bad = await client.post("/v1/messages/count_tokens", json={"model": "tiny", "messages": []})
+        assert_openai_error(bad, 400)
+        assert not engines.requests("p", "/v1/messages/count_tokens")
+        # The fakes serve no Messages API: the engine's 404 reaches the client as an OpenAI error.
+        r = await client.post(
+            "/v1/messages/count_tokens",
+            json={**GOOD, "conversation_id": "c9"},
+            headers={"x-session-id": "c9"},
+        )
+        assert_openai_error(r, 404)
+        sent = [b for b, _ in engines.requests("p", "/v1/messages/count_tokens")]
+        assert sent == [GOOD]  # the id fields are the router's, not the engine's
+        assert await store_of(client).get("-/c9") is None
