@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from ._params import strip_kv_json
 
-__all__ = ["ABORTED", "DONE", "EventSplitter", "TurnOutput", "error_event", "stream_error"]
+__all__ = ["ABORTED", "DONE", "Dialect", "EventSplitter", "TurnOutput", "error_event", "stream_error"]
 
 DONE = b"data: [DONE]\n\n"
 ABORTED = "abort"  # vLLM's finish_reason for a request it dropped before the end
@@ -24,8 +24,6 @@ def error_event(body: dict[str, Any]) -> bytes:
 
 
 Dialect = Literal["openai", "anthropic", "responses"]
-# The events that end a stream of the event-named dialects (OpenAI's completions end with `[DONE]`).
-_FINAL_EVENTS = {"message_stop", "response.completed", "response.incomplete"}
 
 
 def stream_error(body: dict[str, Any], output: TurnOutput) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Literal
+from typing import Any
 
 from agentkv._constants import (
     H_CONVERSATION_ID,
@@ -19,10 +19,10 @@ from agentkv._constants import (
 from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH
 
 from ._backend import BackendState
+from ._sse import Dialect
 
-__all__ = ["Dialect", "Turn"]
+__all__ = ["Turn"]
 
-Dialect = Literal["openai", "anthropic", "responses"]
 _DIALECTS: dict[str, Dialect] = {MESSAGES_PATH: "anthropic", RESPONSES_PATH: "responses"}
 
 
