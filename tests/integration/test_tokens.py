@@ -173,7 +173,7 @@ def test_messages_take_the_token_path_and_reuse(
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": [{"type": "text", "text": msg}]})
-        stream = i == len(script) - 1
+        stream = i == 1  # the next turn reuses what a streamed answer left on decode
         headers, text, events = _message(router.url, history, conversation_id=cid, stream=stream)
         _, ref, _ = _message(router_off.url, history, conversation_id=new_id("messages-off"))
         assert float(headers["x-agentkv-render-ms"]) > 0
@@ -252,7 +252,7 @@ def test_responses_take_the_token_path_and_reuse(router: RouterProc, router_off:
     items: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         items.append({"type": "message", "role": "user", "content": msg})
-        stream = i == len(script) - 1
+        stream = i == 1  # the next turn reuses what a streamed answer left on decode
         headers, text, events = _respond(router.url, items, conversation_id=cid, stream=stream)
         _, ref, _ = _respond(router_off.url, items, conversation_id=new_id("responses-off"))
         assert float(headers["x-agentkv-render-ms"]) > 0
