@@ -71,14 +71,15 @@ class HealthChecker:
             )
             if not ok:
                 self._metrics.backend_errors.labels(role=state.backend.role, kind="health").inc()
+        if ok and state.backend.role == "decode":
+            # Re-probe every round: a restarted decode has a new engine id, which voids old blocks. Before it
+            # counts as healthy again, so no turn that runs meanwhile sees it with the old engine's id.
+            await self._leases.probe(state)
         state.healthy = ok
         if not ok:
             state.block_size = None  # a restarted engine may come back with another configuration
             state.renders = {}
             state.release = state.generates = None
-        if ok and state.backend.role == "decode":
-            # Re-probe every round: a restarted decode has a new engine id, which voids old blocks.
-            await self._leases.probe(state)
 
     async def refresh_models(self, state: BackendState) -> list[dict[str, Any]] | None:
         try:
