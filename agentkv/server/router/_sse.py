@@ -70,7 +70,7 @@ class TurnOutput:
         return {"role": "assistant", "content": self.content, "tool_calls": calls}
 
     def add_response(self, obj: Any) -> None:
-        """A whole non-streaming chat or text completion, or an Anthropic message."""
+        """A whole non-streaming chat or text completion, Anthropic message or Responses API response."""
         if not isinstance(obj, dict):
             return
         if self.dialect == "anthropic":
