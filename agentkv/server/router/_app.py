@@ -297,9 +297,9 @@ def create_app(
     routes = [
         Route("/v1/chat/completions", _completion_route("chat", "/v1/chat/completions"), methods=["POST"]),
         Route("/v1/completions", _completion_route("completions", "/v1/completions"), methods=["POST"]),
-        Route("/v1/messages", _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
+        Route(MESSAGES_PATH, _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
         Route(COUNT_TOKENS_PATH, _count_tokens, methods=["POST"]),
-        Route("/v1/responses", _completion_route("responses", RESPONSES_PATH), methods=["POST"]),
+        Route(RESPONSES_PATH, _completion_route("responses", RESPONSES_PATH), methods=["POST"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/metrics", _metrics, methods=["GET"]),

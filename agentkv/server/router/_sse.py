@@ -144,7 +144,7 @@ class TurnOutput:
             if block.get("type") == "text":
                 self.content += block.get("text") or ""
             elif block.get("type") == "tool_use":
-                self.tool_calls[i] = _tool_use(block, json.dumps(block.get("input") or {}))
+                self.tool_calls[i] = _function_call(block, json.dumps(block.get("input") or {}))
 
     def _message_event(self, obj: dict[str, Any]) -> None:
         """One Anthropic stream event (its `data:` payload)."""
@@ -154,7 +154,7 @@ class TurnOutput:
         elif kind == "content_block_start" and isinstance(obj.get("content_block"), dict):
             block = obj["content_block"]
             if block.get("type") == "tool_use" and isinstance(obj.get("index"), int):
-                self.tool_calls[obj["index"]] = _tool_use(block, "")
+                self.tool_calls[obj["index"]] = _function_call(block, "")
         elif kind == "content_block_delta" and isinstance(obj.get("delta"), dict):
             delta = obj["delta"]
             if delta.get("type") == "text_delta":
@@ -193,24 +193,19 @@ class TurnOutput:
                     if isinstance(part, dict) and part.get("type") == "output_text":
                         self.content += part.get("text") or ""
             elif item.get("type") == "function_call":
-                # Streamed or not, the final response lists the calls whole.
                 call = {"name": item.get("name"), "id": item.get("call_id")}
-                self.tool_calls[len(self.tool_calls)] = _tool_use(call, item.get("arguments") or "")
+                self.tool_calls[len(self.tool_calls)] = _function_call(call, item.get("arguments") or "")
 
     def _response_event(self, obj: dict[str, Any]) -> None:
-        """One Responses API stream event. Text arrives as deltas; the final event embeds the whole
-        response (usage, status); `response.failed` is an error, never an answer."""
+        """One Responses API stream event. The final event embeds the whole response (text, calls, usage,
+        status), so the deltas before it need no assembling; `response.failed` is an error, not an answer."""
         if isinstance(obj.get("sequence_number"), int):
             self.sequence = obj["sequence_number"]
         kind = obj.get("type")
         if kind in ("response.completed", "response.incomplete", "response.failed"):
             response = obj.get("response")
-            content, self.content = self.content, ""
             self._response(response if isinstance(response, dict) else {})
-            self.content = content  # the deltas already carried it
             self.stopped = kind != "response.failed"
-        elif kind == "response.output_text.delta" and isinstance(obj.get("delta"), str):
-            self.content += obj["delta"]
 
     def _anthropic_usage(self, usage: Any) -> None:
         """Anthropic usage in OpenAI's names: its `input_tokens` leaves out the tokens read from or written
@@ -235,8 +230,9 @@ def _choice0(obj: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def _tool_use(block: dict[str, Any], arguments: str) -> dict[str, Any]:
-    """An Anthropic `tool_use` block as an OpenAI tool call."""
+def _function_call(block: dict[str, Any], arguments: str) -> dict[str, Any]:
+    """An Anthropic `tool_use` block or a Responses `function_call` (its `call_id` as `id`) as an OpenAI
+    tool call."""
     out = {"type": "function", "function": {"name": block.get("name") or "", "arguments": arguments}}
     if block.get("id"):
         out["id"] = block["id"]
