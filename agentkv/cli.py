@@ -78,6 +78,13 @@ def serve(
             "--exact needs on every engine for answers bit-identical to a recompute."
         ),
     ] = False,
+    tokenizer_cache: Annotated[
+        str,
+        typer.Option(
+            help="on: vLLM's API server tokenizes only what a prompt adds to one it tokenized before; "
+            "verify: also tokenizes the whole prompt and compares (for evaluations); off: vLLM as shipped."
+        ),
+    ] = "on",
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -86,6 +93,8 @@ def serve(
 
     if role not in ("prefill", "decode", "single"):
         raise typer.BadParameter("role must be prefill, decode or single", param_hint="ROLE")
+    if tokenizer_cache not in ("on", "off", "verify"):
+        raise typer.BadParameter("must be on, off or verify", param_hint="--tokenizer-cache")
     port = port or (8100 if role == "prefill" else 8200)
     spec = EngineSpec(
         role=role,  # type: ignore[arg-type]
@@ -102,6 +111,7 @@ def serve(
         decoder_kv_blocks_ttl=decoder_kv_blocks_ttl,
         kv_recompute_threshold=kv_recompute_threshold,
         env={"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {},
+        tokenizer_cache=tokenizer_cache,  # type: ignore[arg-type]
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)

@@ -233,6 +233,7 @@ class _Deployment:
                 # On CPU, the KV space of P and D together (each engine's default is 1 GiB); on GPU the
                 # memory flags come with --agg-engine-arg.
                 cpu_kvcache_gib=2,
+                tokenizer_cache="off",  # vLLM as a user would run it alone
                 extra_args=list(
                     args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []
                 ),
@@ -262,6 +263,7 @@ class _Deployment:
                 log_dir=log_dir,
                 extra_args=list(args.engine_arg or []),
                 env=env,
+                tokenizer_cache=args.tokenizer_cache if self.group == "reuse" else "off",
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )
@@ -440,6 +442,12 @@ def _parser() -> argparse.ArgumentParser:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument(
+        "--tokenizer-cache",
+        choices=("on", "off", "verify"),
+        default="on",
+        help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
+    )
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")
     ap.add_argument("--start-estimate-s", type=float, default=100.0, help="budget kept for one engine start")
     ap.add_argument("--poll-s", type=float, default=1.0)

@@ -342,6 +342,8 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         log_dir=Path(args.log_dir) / leg,
         extra_args=extra_args,
         env=dict(e.split("=", 1) for e in args.env or []),
+        # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
+        tokenizer_cache=args.tokenizer_cache if on else "off",
         prefill_port=args.port_base + 100,
         decode_port=args.port_base + 200,
     )
@@ -366,6 +368,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         cpu_kvcache_gib=2,  # on CPU, the KV space of P and D together (1 GiB each)
         extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
         env=dict(e.split("=", 1) for e in args.env or []),
+        tokenizer_cache="off",  # vLLM as a user would run it alone
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
     engine = Engine(spec=spec, name="single")
@@ -603,6 +606,12 @@ def main(argv: list[str] | None = None) -> None:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument(
+        "--tokenizer-cache",
+        choices=("on", "off", "verify"),
+        default="on",
+        help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
+    )
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")
     ap.add_argument(

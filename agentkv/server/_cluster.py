@@ -36,6 +36,7 @@ from agentkv.server._launcher import (
     start_router,
 )
 from agentkv.server._versions import check_versions, engine_version
+from agentkv.server._vllm_plugin import TokenizerCacheMode
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -72,6 +73,7 @@ class ClusterConfig:
     log_dir: Path = Path(".agentkv/logs")
     router_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
+    tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
     extra_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
@@ -81,6 +83,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:
             raise ConfigError("a cluster needs at least one prefill and one decode")
+        if self.tokenizer_cache not in ("on", "off", "verify"):
+            raise ConfigError(f"tokenizer_cache must be on, off or verify, not {self.tokenizer_cache!r}")
         self.log_dir = Path(self.log_dir)
 
     @classmethod
@@ -134,6 +138,7 @@ class ClusterConfig:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             tool_call_parser=self.tool_call_parser,
+            tokenizer_cache=self.tokenizer_cache,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},

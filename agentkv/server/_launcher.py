@@ -27,6 +27,7 @@ import httpx
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
 from agentkv.server._versions import check_versions, installed_version
+from agentkv.server._vllm_plugin import ENV_MODE, TokenizerCacheMode
 
 __all__ = [
     "Engine",
@@ -88,6 +89,9 @@ class EngineSpec:
     tool_call_parser: str | None = None
     # vLLM's render and tokens-in routes (`--enable-scale-out`); None: on wherever the installed vLLM has it.
     scale_out: bool | None = None
+    # agentkv's tokenizer cache in vLLM's API server (agentkv/server/_vllm_plugin.py): a prompt extending one
+    # tokenized before costs only its new text; "verify" also tokenizes it whole and compares.
+    tokenizer_cache: TokenizerCacheMode = "on"
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -192,6 +196,7 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         "VLLM_NIXL_SIDE_CHANNEL_HOST": spec.host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
         "VLLM_LOG_STATS_INTERVAL": "5",
+        ENV_MODE: spec.tokenizer_cache,
     }
     if spec.device == "cpu":
         env.update(

@@ -173,6 +173,9 @@ class TokenizerCache:
         self._next_key = 0
         self._lock = threading.Lock()
         self._reuse = True
+        # How many ids add_special_tokens puts before a text's own (a BOS); None: it also appends some (an
+        # EOS), so such prompts are not cached.
+        self._lead: int | None = 0
         self.stats = CacheStats()
 
     @classmethod
@@ -201,7 +204,14 @@ class TokenizerCache:
         eligible = sorted(self._boundaries.eligible)[:_MAX_PROBED_TOKENS]
         if not eligible:
             return False
-        for special in (True, False):
+        leads = set()
+        for text in _PROBE_TAILS:
+            with_, without = list(self._encode(text, True)), list(self._encode(text, False))
+            n = len(with_) - len(without)
+            leads.add(tuple(with_[:n]) if n >= 0 and with_[n:] == without else None)
+        lead = leads.pop() if len(leads) == 1 else None
+        self._lead = None if lead is None else len(lead)
+        for special in (True, False) if self._lead is not None else (False,):
             for token in eligible:
                 for head in _PROBE_HEADS:
                     for tail in _PROBE_TAILS:
@@ -221,10 +231,12 @@ class TokenizerCache:
         return self._reuse
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        found = self._lookup(text, add_special_tokens) if self._reuse else None
+        cacheable = self._reuse and (self._lead is not None or not add_special_tokens)
+        found = self._lookup(text, add_special_tokens) if cacheable else None
         if found is None:
             ids = list(self._encode(text, add_special_tokens))
-            self._store(text, ids, add_special_tokens, None)
+            if cacheable:
+                self._store(text, ids, add_special_tokens, None)
             with self._lock:
                 self.stats.misses += 1
                 self.stats.tokenized_tokens += len(ids)
@@ -284,7 +296,8 @@ class TokenizerCache:
 
     def _store(self, text: str, ids: list[int], special: bool, base: tuple[_Entry, int, int] | None) -> None:
         if base is None:
-            found = self._boundaries.find(text, ids)
+            lead = (self._lead or 0) if special else 0
+            found = self._boundaries.find(text, ids[lead:], id_base=lead)
             if found is None or not found[0]:
                 return
             ends, counts = found

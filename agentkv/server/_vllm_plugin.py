@@ -18,15 +18,16 @@ import functools
 import logging
 import os
 import threading
-from typing import Any
+from typing import Any, Literal
 
 from agentkv.server._tokenizer_cache import TokenizerCache
 
-__all__ = ["ENV_MAX_MB", "ENV_MODE", "register"]
+__all__ = ["ENV_MAX_MB", "ENV_MODE", "TokenizerCacheMode", "register"]
 
 logger = logging.getLogger("agentkv.tokenizer_cache")
 
-ENV_MODE = "AGENTKV_TOKENIZER_CACHE"  # off (default) | on | verify
+ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
+TokenizerCacheMode = Literal["on", "off", "verify"]  # unset means off
 ENV_MAX_MB = "AGENTKV_TOKENIZER_CACHE_MB"
 _DEFAULT_MAX_MB = 256  # ~1 MiB per 127k-token conversation (its text and ids)
 

@@ -29,16 +29,18 @@ ROUTER_PORT_FROM = 18000
 def cluster_config(model_dir: Path, name: str, **fields: Any) -> ClusterConfig:
     """A suite cluster: no router of its own (tests start theirs), prefill without prefix caching (the
     published cache-eviction setup, so every reused token comes from decode), and prefill pulling every
-    verified offer. On 2 cores a pull and a recompute of a few hundred tiny-model tokens cost about the same,
+    verified offer (on 2 cores a pull and a recompute of a few hundred tiny-model tokens cost about the same,
     so prefill's cost model declines some pulls as it should, and tests that require a hit would fail; these
-    tests are about answers, reuse, routing and faults, and the cost model has its unit tests. ``fields``
-    override any of these."""
+    tests are about answers, reuse, routing and faults, and the cost model has its unit tests), and the
+    tokenizer cache in verify mode. ``fields`` override any of these."""
     defaults: dict[str, Any] = {
         "router_port": None,
         "prefill_prefix_caching": False,
         "max_model_len": 4096,
         "cost_model": False,
         "log_dir": LOG_DIR / name,
+        # Every turn of the suite checks the tokenizer cache against a whole tokenization.
+        "tokenizer_cache": "verify",
     }
     return ClusterConfig(model=str(model_dir), **{**defaults, **fields})
 
