@@ -354,6 +354,20 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
     return cluster
 
 
+def tokenizer_cache_counts(url: str) -> dict[str, float]:
+    """An engine's agentkv_tokenizer_cache_* counters ({} without it), keyed like `prompts{result="hit"}`."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("agentkv_tokenizer_cache_") and "_total" in line:
+            name, _, value = line.rpartition(" ")
+            counts[name.removeprefix("agentkv_tokenizer_cache_").replace("_total", "")] = float(value)
+    return counts
+
+
 def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
     """Leg ``agg``: one vLLM server with prefix caching; the client streams to it directly."""
     from agentkv.server._launcher import Engine, EngineSpec
@@ -656,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     shapes = args.shape.split(",")
     rows: dict[str, list[dict[str, Any]]] = {shape: [] for shape in shapes}
+    tokenizer_cache: dict[str, dict[str, dict[str, float]]] = {}
     if args.router:
         # Attached to a cluster someone else started (bench/repro/serve.sh): one leg, one shape at a time.
         if not (args.prefill_url and args.decode_url) or len(args.legs.split(",")) != 1:
@@ -704,6 +719,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 finally:
                     router_proc.stop()
+            tokenizer_cache[leg] = {e.spec.role: tokenizer_cache_counts(e.spec.url) for e in cluster.engines}
         finally:
             cluster.down()
     for shape in shapes:
@@ -712,6 +728,8 @@ def main(argv: list[str] | None = None) -> None:
             "shape": shape,
             "requests": rows[shape],
             "summary": summarize(rows[shape], shape),
+            # Each engine's tokenizer cache counters at the end of its leg (all shapes of the leg together).
+            "tokenizer_cache": tokenizer_cache,
         }
         out_dir = Path(args.out or f"bench/results/multiturn_sweep_{args.device}")
         out_dir.mkdir(parents=True, exist_ok=True)

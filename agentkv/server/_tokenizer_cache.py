@@ -35,7 +35,7 @@ from typing import Protocol
 
 __all__ = ["AddedTokenInfo", "CacheStats", "TokenizerCache"]
 
-logger = logging.getLogger("agentkv.tokenizer_cache")
+logger = logging.getLogger("vllm.agentkv.tokenizer_cache")
 
 # (text, add_special_tokens) -> ids, the engine's own tokenizer call.
 Encode = Callable[[str, bool], Sequence[int]]

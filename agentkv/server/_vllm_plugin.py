@@ -24,7 +24,7 @@ from agentkv.server._tokenizer_cache import TokenizerCache
 
 __all__ = ["ENV_MAX_MB", "ENV_MODE", "TokenizerCacheMode", "register"]
 
-logger = logging.getLogger("agentkv.tokenizer_cache")
+logger = logging.getLogger("vllm.agentkv.tokenizer_cache")
 
 ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
 TokenizerCacheMode = Literal["on", "off", "verify"]  # unset means off
