@@ -326,3 +326,34 @@ def test_the_anthropic_and_openai_sdks_reuse_through_the_router(cluster: Cluster
     assert events[-1].response.output_text == "".join(
         e.delta for e in events if e.type == "response.output_text.delta"
     )
+
+
+def _tokenizer_cache(url: str) -> dict[str, float]:
+    prompts = "agentkv_tokenizer_cache_prompts_total"
+    return {
+        **{r: metric(f"{url}/metrics", prompts, result=r) for r in ("hit", "miss", "mismatch")},
+        "reused": metric(f"{url}/metrics", "agentkv_tokenizer_cache_tokens_total", kind="reused"),
+    }
+
+
+def test_a_turn_tokenizes_only_what_it_adds_to_the_conversation(cluster: Cluster, router: RouterProc) -> None:
+    """agentkv's tokenizer cache in prefill's API server: the render of a turn reuses the ids of the previous
+    turn's prompt up to its last added token. The suite runs it in verify mode, where every prompt is also
+    tokenized whole and compared: every render of the whole suite counts as a mismatch if they differ."""
+    p_url = cluster.prefills[0].spec.url
+    before = _tokenizer_cache(p_url)
+    history: list[dict[str, Any]] = [{"role": "user", "content": "List the files, then read them."}]
+    prompts: list[int] = []
+    for i, result in enumerate(conversation_script(33, 4)):
+        turn = chat(router.url, history, conversation_id=new_id("tokcache"))
+        prompts.append(int(turn.headers["x-agentkv-prompt-tokens"]))
+        history += [
+            {"role": "assistant", "content": turn.text},
+            {"role": "user", "content": f"{i}: {result}"},
+        ]
+    after = _tokenizer_cache(p_url)
+    assert after["mismatch"] == before["mismatch"] == 0
+    # One render per turn; every turn after the first extends a prompt this server tokenized.
+    assert after["hit"] - before["hit"] >= len(prompts) - 1
+    # Each of those reused all of the previous prompt but its generation prompt's few ids.
+    assert after["reused"] - before["reused"] >= sum(n - 8 for n in prompts[:-1])
