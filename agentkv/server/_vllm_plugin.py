@@ -81,8 +81,14 @@ def _build(tokenizer: Any, *, verify: bool) -> TokenizerCache | None:
         max_bytes = int(float(os.environ.get(ENV_MAX_MB, _DEFAULT_MAX_MB)) * 2**20)
     except ValueError:
         max_bytes = _DEFAULT_MAX_MB * 2**20
+    unknown_id = getattr(tokenizer, "unk_token_id", None)
     return TokenizerCache.build(
-        encode=encode, added=added, max_bytes=max_bytes, verify=verify, observe=_counters()
+        encode=encode,
+        added=added,
+        max_bytes=max_bytes,
+        unknown_id=unknown_id if isinstance(unknown_id, int) else None,
+        verify=verify,
+        observe=_counters(),
     )
 
 
@@ -97,7 +103,8 @@ def _cache_for(renderer: Any, *, verify: bool) -> TokenizerCache | None:
             except Exception:  # an unknown tokenizer shape: vLLM's own path serves it
                 logger.warning("tokenizer cache off for this model", exc_info=True)
                 built = None
-            logger.info("tokenizer cache %s", "on (verify)" if built and verify else "on" if built else "off")
+            on = built is not None
+            logger.info("tokenizer cache %s", "off" if not on else "on (verify)" if verify else "on")
             renderer.__dict__[_ATTR] = built
     cache = renderer.__dict__[_ATTR]
     return cache

@@ -264,3 +264,95 @@ def test_prompts_a_tokenizer_appends_ids_to_are_tokenized_whole() -> None:
     for text in texts:
         assert cache.encode(text, add_special_tokens=False) == _whole("eos", text, False)
     assert cache.stats.hits == 2
+
+
+def test_the_plugin_builds_the_cache_from_a_transformers_tokenizer_with_an_unknown_token() -> None:
+    """What vLLM's renderer holds: a transformers fast tokenizer; its unknown token's id stands for words
+    the vocabulary lacks, so it must not count as an added token."""
+    transformers = pytest.importorskip("transformers")
+    from agentkv.server import _vllm_plugin
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("word"), unk_token="<unk>")
+    cache = _vllm_plugin._build(hf, verify=True)
+    assert cache is not None
+    messages = [("user", "words the vocabulary lacks: zyzzyva quux")]
+    for turn in range(3):
+        messages += [("assistant", f"ok {turn}"), ("tool", "def read(path): return " * 20 + "xyzzy")]
+        text = _render(messages)
+        assert cache.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+    assert (cache.stats.misses, cache.stats.hits, cache.stats.mismatches) == (1, 2, 0)
+
+
+class _Params:
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+
+    def get_encode_kwargs(self) -> dict[str, Any]:
+        return dict(self.kwargs)
+
+
+class _Renderer:
+    """The slice of vLLM's BaseRenderer the plugin wraps (vLLM 0.26-0.32 have these members)."""
+
+    def __init__(self, tokenizer: Any, *, offsets: bool = False) -> None:
+        self.tokenizer, self.offsets, self.original_calls = tokenizer, offsets, 0
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def _wants_offsets(self, prompt: Any, params: Any) -> bool:
+        return self.offsets
+
+    @staticmethod
+    def _build_tokens_prompt(ids: list[int], prompt: dict[str, Any]) -> dict[str, Any]:
+        return {"prompt_token_ids": list(ids), **prompt}
+
+    def _tokenize_prompt(self, prompt: dict[str, Any], params: _Params) -> dict[str, Any]:
+        self.original_calls += 1
+        return {
+            "prompt_token_ids": self.tokenizer(prompt["prompt"], **params.get_encode_kwargs())["input_ids"]
+        }
+
+
+def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_exactly() -> None:
+    transformers = pytest.importorskip("transformers")
+    from agentkv.server import _vllm_plugin
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("bpe"))
+    wrapped = _vllm_plugin._wrap(_Renderer._tokenize_prompt, verify=True)
+    text = _render([("system", "s"), ("user", "u " * 40)])
+    longer = _render([("system", "s"), ("user", "u " * 40), ("assistant", "a"), ("tool", "t " * 10)])
+    whole = hf(longer, add_special_tokens=False)["input_ids"]
+
+    renderer = _Renderer(hf)
+    plain = _Params(add_special_tokens=False, truncation=True, max_length=10_000)
+    for t in (text, longer):
+        out = wrapped(renderer, {"prompt": t}, plain)
+    assert out["prompt_token_ids"] == whole and renderer.original_calls == 0
+    cache = renderer.__dict__[_vllm_plugin._ATTR]
+    assert cache.stats.hits == 1
+    # Truncation that would cut the prompt: vLLM's own path (and its error) decides.
+    out = wrapped(
+        renderer, {"prompt": longer}, _Params(add_special_tokens=False, truncation=True, max_length=5)
+    )
+    assert renderer.original_calls == 1 and len(out["prompt_token_ids"]) == 5
+    # Offsets requested, or encode arguments the cache does not know: vLLM's own path.
+    wrapped(_Renderer(hf, offsets=True), {"prompt": longer}, plain)
+    odd = _Renderer(hf)
+    wrapped(odd, {"prompt": longer}, _Params(add_special_tokens=False, return_attention_mask=False))
+    assert odd.original_calls == 1
+
+
+def test_the_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentkv.server import _vllm_plugin
+
+    for value, mode in (
+        ("", None),
+        ("off", None),
+        ("maybe", None),
+        ("on", "on"),
+        ("1", "on"),
+        ("verify", "verify"),
+    ):
+        monkeypatch.setenv(_vllm_plugin.ENV_MODE, value)
+        assert _vllm_plugin._mode() == mode
