@@ -15,7 +15,7 @@ first piece does). So:
 * a boundary is only an added token with those properties (`_Boundaries`);
 * each cached prompt's ids are checked against its text: the added tokens found in the text, in order, must
   be exactly the added-token ids in the ids, else it gets no boundaries and is never reused;
-* a tokenizer must pass a probe of the splitting rule when the cache is built, else no cache;
+* a tokenizer must pass a probe of the splitting rule when the cache is built, else nothing is reused;
 * `verify=True` tokenizes the whole prompt as well and compares (tests and evaluations run with it); a
   mismatch turns reuse off for good and returns the whole-prompt ids.
 
@@ -148,10 +148,11 @@ def _common_prefix(a: str, b: str) -> int:
 class TokenizerCache:
     """Prefix reuse for one tokenizer; thread-safe (vLLM tokenizes in a thread pool).
 
-    Build it with `TokenizerCache.build`, which returns None for a tokenizer the splitting rule does not hold
-    for. `added` is the tokenizer's added tokens by id, `unknown_id` its unknown token's id (the model emits
-    it for text it cannot encode, so it is not an added token there), `max_bytes` bounds the cached texts and
-    ids (least recently used go first), `observe` is called after each prompt (for metrics)."""
+    A tokenizer the splitting rule does not hold for fails the probe the constructor runs: `reusing` is then
+    False and `encode` tokenizes every prompt whole. `added` is the tokenizer's added tokens by id,
+    `unknown_id` its unknown token's id (the model emits it for text it cannot encode, so it is not an added
+    token there), `max_bytes` bounds the cached texts and ids (least recently used go first), `observe` is
+    called after each prompt (for metrics)."""
 
     def __init__(
         self,
@@ -172,32 +173,11 @@ class TokenizerCache:
         self._bytes = 0
         self._next_key = 0
         self._lock = threading.Lock()
-        self._reuse = True
         # How many ids add_special_tokens puts before a text's own (a BOS); None: it also appends some (an
         # EOS), so such prompts are not cached.
         self._lead: int | None = 0
         self.stats = CacheStats()
-
-    @classmethod
-    def build(
-        cls,
-        *,
-        encode: Encode,
-        added: dict[int, AddedTokenInfo],
-        max_bytes: int,
-        unknown_id: int | None = None,
-        verify: bool = False,
-        observe: Observe | None = None,
-    ) -> TokenizerCache | None:
-        cache = cls(
-            encode=encode,
-            added=added,
-            max_bytes=max_bytes,
-            unknown_id=unknown_id,
-            verify=verify,
-            observe=observe,
-        )
-        return cache if cache._probe() else None
+        self._reuse = self._probe()
 
     def _probe(self) -> bool:
         """Whether this tokenizer splits on its eligible added tokens as the module says, on sample texts."""
@@ -228,6 +208,7 @@ class TokenizerCache:
 
     @property
     def reusing(self) -> bool:
+        """Whether prompts are reused: the probe passed and verify found no mismatch."""
         return self._reuse
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:

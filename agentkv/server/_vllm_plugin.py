@@ -82,7 +82,7 @@ def _build(tokenizer: Any, *, verify: bool) -> TokenizerCache | None:
     except ValueError:
         max_bytes = _DEFAULT_MAX_MB * 2**20
     unknown_id = getattr(tokenizer, "unk_token_id", None)
-    return TokenizerCache.build(
+    cache = TokenizerCache(
         encode=encode,
         added=added,
         max_bytes=max_bytes,
@@ -90,6 +90,7 @@ def _build(tokenizer: Any, *, verify: bool) -> TokenizerCache | None:
         verify=verify,
         observe=_counters(),
     )
+    return cache if cache.reusing else None
 
 
 def _cache_for(renderer: Any, *, verify: bool) -> TokenizerCache | None:
