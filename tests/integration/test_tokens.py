@@ -343,15 +343,17 @@ def test_a_turn_tokenizes_only_what_it_adds_to_the_conversation(cluster: Cluster
     p_url = cluster.prefills[0].spec.url
     before = _tokenizer_cache(p_url)
     history: list[dict[str, Any]] = [{"role": "user", "content": "List the files, then read them."}]
-    prompts: list[int] = []
+    turns: list[list[dict[str, Any]]] = []
+    cid = new_id("tokcache")
     for i, result in enumerate(conversation_script(33, 4)):
-        turn = chat(router.url, history, conversation_id=new_id("tokcache"))
-        prompts.append(int(turn.headers["x-agentkv-prompt-tokens"]))
+        turn = chat(router.url, history, conversation_id=cid)
+        turns.append(list(history))
         history += [
             {"role": "assistant", "content": turn.text},
             {"role": "user", "content": f"{i}: {result}"},
         ]
     after = _tokenizer_cache(p_url)
+    prompts = [len(_render_ids(p_url, messages, add_generation_prompt=True)) for messages in turns]
     assert after["mismatch"] == before["mismatch"] == 0
     # One render per turn; every turn after the first extends a prompt this server tokenized.
     assert after["hit"] - before["hit"] >= len(prompts) - 1
