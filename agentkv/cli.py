@@ -85,6 +85,13 @@ def serve(
             "verify: also tokenizes the whole prompt and compares (for evaluations); off: vLLM as shipped."
         ),
     ] = "on",
+    detokenizer_prime_tokens: Annotated[
+        int,
+        typer.Option(
+            help="Prime vLLM's incremental detokenizer with the prompt's last N ids instead of the whole "
+            "prompt (0: as vLLM does)."
+        ),
+    ] = 128,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -112,6 +119,7 @@ def serve(
         kv_recompute_threshold=kv_recompute_threshold,
         env={"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {},
         tokenizer_cache=tokenizer_cache,  # type: ignore[arg-type]
+        detokenizer_prime_tokens=max(0, detokenizer_prime_tokens),
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)

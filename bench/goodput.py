@@ -234,6 +234,7 @@ class _Deployment:
                 # memory flags come with --agg-engine-arg.
                 cpu_kvcache_gib=2,
                 tokenizer_cache="off",  # vLLM as a user would run it alone
+                detokenizer_prime_tokens=0,
                 extra_args=list(
                     args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []
                 ),
@@ -264,6 +265,7 @@ class _Deployment:
                 extra_args=list(args.engine_arg or []),
                 env=env,
                 tokenizer_cache=args.tokenizer_cache if self.group == "reuse" else "off",
+                detokenizer_prime_tokens=args.detokenizer_prime_tokens if self.group == "reuse" else 0,
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )
@@ -447,6 +449,12 @@ def _parser() -> argparse.ArgumentParser:
         choices=("on", "off", "verify"),
         default="on",
         help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
+    )
+    ap.add_argument(
+        "--detokenizer-prime-tokens",
+        type=int,
+        default=128,
+        help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
     )
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")
     ap.add_argument("--start-estimate-s", type=float, default=100.0, help="budget kept for one engine start")

@@ -344,6 +344,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         env=dict(e.split("=", 1) for e in args.env or []),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         tokenizer_cache=args.tokenizer_cache if on else "off",
+        detokenizer_prime_tokens=args.detokenizer_prime_tokens if on else 0,
         prefill_port=args.port_base + 100,
         decode_port=args.port_base + 200,
     )
@@ -383,6 +384,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
         env=dict(e.split("=", 1) for e in args.env or []),
         tokenizer_cache="off",  # vLLM as a user would run it alone
+        detokenizer_prime_tokens=0,
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
     engine = Engine(spec=spec, name="single")
@@ -625,6 +627,12 @@ def main(argv: list[str] | None = None) -> None:
         choices=("on", "off", "verify"),
         default="on",
         help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
+    )
+    ap.add_argument(
+        "--detokenizer-prime-tokens",
+        type=int,
+        default=128,
+        help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
     )
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")

@@ -1,11 +1,14 @@
-"""The tokenizer cache beside a whole tokenization, on one growing agent conversation (CPU, no engine).
+"""agentkv's vLLM plugin beside vLLM, on one growing agent conversation (CPU, no engine): the tokenizer cache
+beside a whole tokenization, and the detokenizer primed with the prompt's tail beside the whole prompt.
 
 A vLLM API server tokenizes a turn's whole rendered prompt; agentkv's tokenizer cache
 (`agentkv/server/_tokenizer_cache.py`) tokenizes only what the turn adds. This replays one agent's turns
 (each: an assistant tool call and a tool result of `--result-tokens`) through the model's own chat template
 and Hugging Face tokenizer, timing per turn: the whole tokenization (what vLLM does) and the cache (what
-agentkv's plugin does), and checking that both give the same ids. The tokenizer work is what the API server
-spends; the chat template is timed too, since it still renders the whole prompt.
+agentkv's plugin does), and checking that both give the same ids; then the first step of the answer's
+incremental detokenizer (`tokenizers.DecodeStream`, as vLLM's `FastIncrementalDetokenizer` uses it) primed
+with the whole prompt (vLLM) and with its last 128 ids (the plugin). This is what the API server spends per
+turn beside the GPU; the chat template is timed too, since it still renders the whole prompt.
 
     python -m bench.tokenizer_cache                      # the tiny model's tokenizer, to ~128k tokens
     python -m bench.tokenizer_cache --model .gpu/model   # any model directory with a tokenizer
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.server._tokenizer_cache import TokenizerCache
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, prompt_tail
 
 WORDS = "agent tool search file row column query report number answer table cache block def return".split()
 
@@ -29,6 +33,7 @@ def _result(rng: random.Random, n_words: int) -> str:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from tokenizers.decoders import DecodeStream
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -61,6 +66,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         t3 = time.perf_counter()
         if ids != whole:
             raise SystemExit(f"turn {turn}: the cache's ids differ from a whole tokenization")
+        first = tok.encode(" Done.", add_special_tokens=False)[0]
+        backend = tok.backend_tokenizer
+        tail = prompt_tail(ids, DEFAULT_PRIME_TOKENS, set(tok.added_tokens_decoder))
+        steps = []
+        for primed in (ids, ids if tail is None else list(tail)):
+            stream = DecodeStream(ids=primed, skip_special_tokens=True)
+            t4 = time.perf_counter()
+            steps.append((stream.step(backend, first), (time.perf_counter() - t4) * 1e3))
+        if steps[0][0] != steps[1][0]:
+            raise SystemExit(f"turn {turn}: the tail-primed detokenizer streamed other text")
         rows.append(
             {
                 "turn": turn,
@@ -69,6 +84,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "whole_ms": round((t2 - t1) * 1e3, 2),
                 "cache_ms": round((t3 - t2) * 1e3, 2),
                 "reused_tokens": cache.stats.reused_tokens - before,
+                "detok_whole_ms": round(steps[0][1], 3),
+                "detok_tail_ms": round(steps[1][1], 3),
             }
         )
         turn += 1
@@ -99,21 +116,39 @@ def main() -> None:
     path = write_results("tokenizer_cache", {"model": args.model, "turns": rows}, out_dir=args.out)
     shown = [r for r in rows if r["turn"] % max(1, len(rows) // 12) == 0 or r is rows[-1]]
     print_table(
-        f"tokenizer cache vs whole tokenization ({args.model}), ms per turn",
-        ["prompt tokens", "whole", "cache", "reused ids", "chat template"],
+        f"agentkv's vLLM plugin vs vLLM ({args.model}), ms per turn",
         [
-            [r["prompt_tokens"], r["whole_ms"], r["cache_ms"], r["reused_tokens"], r["template_ms"]]
+            "prompt tokens",
+            "tokenize: whole (vLLM)",
+            "tokenize: cache",
+            "reused ids",
+            "chat template",
+            "detokenizer 1st step: whole prompt (vLLM)",
+            "detokenizer 1st step: 128-id tail",
+        ],
+        [
+            [
+                r["prompt_tokens"],
+                r["whole_ms"],
+                r["cache_ms"],
+                r["reused_tokens"],
+                r["template_ms"],
+                r["detok_whole_ms"],
+                r["detok_tail_ms"],
+            ]
             for r in shown
         ],
     )
     xs = [float(r["prompt_tokens"]) for r in rows]
     line_chart(
         path.parent / "tokenizer_cache.png",
-        title="Tokenizing one agent turn's prompt",
+        title="Per-turn API-server work that grows with the conversation",
         series={
             "whole (vLLM)": (xs, [r["whole_ms"] for r in rows]),
             "tokenizer cache (agentkv)": (xs, [r["cache_ms"] for r in rows]),
             "chat template (both)": (xs, [r["template_ms"] for r in rows]),
+            "detokenizer first step, whole prompt (vLLM)": (xs, [r["detok_whole_ms"] for r in rows]),
+            "detokenizer first step, 128-id tail (agentkv)": (xs, [r["detok_tail_ms"] for r in rows]),
         },
         xlabel="prompt tokens",
         ylabel="ms",

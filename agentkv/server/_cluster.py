@@ -36,7 +36,7 @@ from agentkv.server._launcher import (
     start_router,
 )
 from agentkv.server._versions import check_versions, engine_version
-from agentkv.server._vllm_plugin import TokenizerCacheMode
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TokenizerCacheMode
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -74,6 +74,7 @@ class ClusterConfig:
     router_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
     tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
+    detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     extra_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
@@ -139,6 +140,7 @@ class ClusterConfig:
             block_size=self.block_size,
             tool_call_parser=self.tool_call_parser,
             tokenizer_cache=self.tokenizer_cache,
+            detokenizer_prime_tokens=self.detokenizer_prime_tokens,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},

@@ -27,7 +27,7 @@ import httpx
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
 from agentkv.server._versions import check_versions, installed_version
-from agentkv.server._vllm_plugin import ENV_MODE, TokenizerCacheMode
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, ENV_MODE, ENV_PRIME, TokenizerCacheMode
 
 __all__ = [
     "Engine",
@@ -92,6 +92,9 @@ class EngineSpec:
     # agentkv's tokenizer cache in vLLM's API server (agentkv/server/_vllm_plugin.py): a prompt extending one
     # tokenized before costs only its new text; "verify" also tokenizes it whole and compares.
     tokenizer_cache: TokenizerCacheMode = "on"
+    # Prime vLLM's incremental detokenizer with the prompt's last N ids, not all of them (same plugin); 0: as
+    # vLLM does.
+    detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -197,6 +200,7 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_channel_port),
         "VLLM_LOG_STATS_INTERVAL": "5",
         ENV_MODE: spec.tokenizer_cache,
+        ENV_PRIME: str(spec.detokenizer_prime_tokens),
     }
     if spec.device == "cpu":
         env.update(

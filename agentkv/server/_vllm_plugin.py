@@ -1,8 +1,10 @@
-"""A vLLM general plugin (entry point `vllm.general_plugins`): the tokenizer cache in vLLM's API server.
+"""A vLLM general plugin (entry point `vllm.general_plugins`): work in vLLM's API server that grows with the
+whole conversation on every turn, removed. vLLM loads every installed general plugin in each of its
+processes; both parts here do nothing unless their environment variable is set (the launcher sets both for
+the engines it starts).
 
-vLLM loads every installed general plugin in each of its processes; this one does nothing unless
-`AGENTKV_TOKENIZER_CACHE` is `on` or `verify` (the launcher sets it for the engines it starts). It then wraps
-`BaseRenderer._tokenize_prompt`, the one place vLLM 0.26-0.32 tokenizes a rendered prompt (chat, completions,
+**The tokenizer cache** (`AGENTKV_TOKENIZER_CACHE` = `on` or `verify`). It wraps
+`BaseRenderer._tokenize_prompt`, the one place vLLM 0.26-0.34 tokenizes a rendered prompt (chat, completions,
 messages, responses, and the render routes), so that a prompt extending one tokenized before costs only its
 new text (`_tokenizer_cache`). Prompts it cannot serve exactly as vLLM would go to vLLM's own code unchanged:
 offsets requested, truncation that would cut, tokenizers that are not Hugging Face fast ones or fail the
@@ -10,7 +12,14 @@ cache's probe.
 
 Counters on the API server's `/metrics`: `agentkv_tokenizer_cache_prompts_total{result}` (hit, miss,
 mismatch: only `verify` finds mismatches), `agentkv_tokenizer_cache_tokens_total{kind}` (reused,
-tokenized)."""
+tokenized).
+
+**The detokenizer's prompt tail** (`AGENTKV_DETOKENIZER_PRIME_TOKENS`, a number of ids). vLLM primes each
+request's incremental detokenizer (`FastIncrementalDetokenizer`, a `tokenizers.DecodeStream`) with the whole
+prompt, and the first output token then decodes all of it: ~130 ms at 127k tokens on the H200 host, on every
+hop. Decoding the next token needs only a short left context (a byte-level run spans at most a few ids), so
+the stream is primed with the prompt's last N ids instead; upstream proposes the same (vllm-project/vllm#51281
+with 32, #57330 with 128)."""
 
 from __future__ import annotations
 
@@ -18,15 +27,26 @@ import functools
 import logging
 import os
 import threading
+from collections.abc import Container, Sequence
 from typing import Any, Literal
 
 from agentkv.server._tokenizer_cache import TokenizerCache
 
-__all__ = ["ENV_MAX_MB", "ENV_MODE", "TokenizerCacheMode", "register"]
+__all__ = [
+    "DEFAULT_PRIME_TOKENS",
+    "ENV_MAX_MB",
+    "ENV_MODE",
+    "ENV_PRIME",
+    "TokenizerCacheMode",
+    "prompt_tail",
+    "register",
+]
 
 logger = logging.getLogger("vllm.agentkv.tokenizer_cache")
 
 ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
+ENV_PRIME = "AGENTKV_DETOKENIZER_PRIME_TOKENS"
+DEFAULT_PRIME_TOKENS = 128
 TokenizerCacheMode = Literal["on", "off", "verify"]  # unset means off
 ENV_MAX_MB = "AGENTKV_TOKENIZER_CACHE_MB"
 _DEFAULT_MAX_MB = 256  # ~1 MiB per 127k-token conversation (its text and ids)
@@ -133,8 +153,76 @@ def _wrap(original: Any, *, verify: bool) -> Any:
     return _tokenize_prompt
 
 
+def _prime_tokens() -> int:
+    try:
+        return max(0, int(os.environ.get(ENV_PRIME, "0")))
+    except ValueError:
+        logger.warning(
+            "%s=%r is not a number of ids: the detokenizer is primed as vLLM does",
+            ENV_PRIME,
+            os.environ[ENV_PRIME],
+        )
+        return 0
+
+
+def prompt_tail(ids: Sequence[int], keep: int, added: Container[int]) -> Sequence[int] | None:
+    """The prompt ids to prime a detokenizer with, or None for all of them: the last `keep`, unless those are
+    all added tokens (which a decoder may skip or treat as the text's start, e.g. stripping the next word's
+    leading space), where only the whole prompt gives the same text."""
+    if len(ids) <= keep:
+        return None
+    tail = ids[-keep:]
+    return tail if any(i not in added for i in tail) else None
+
+
+_added_ids: dict[int, frozenset[int]] = {}
+
+
+def _prime_with_tail(original: Any, *, keep: int, decode_stream: Any) -> Any:
+    @functools.wraps(original)
+    def __init__(self: Any, tokenizer: Any, request: Any) -> None:
+        original(self, tokenizer, request)
+        ids = request.prompt_token_ids
+        if ids is None or len(ids) <= keep:
+            return
+        backend = self.tokenizer  # the `tokenizers.Tokenizer` vLLM's detokenizer steps with
+        added = _added_ids.get(id(backend))
+        if added is None:
+            added = _added_ids[id(backend)] = frozenset(backend.get_added_tokens_decoder())
+        tail = prompt_tail(ids, keep, added)
+        # Building a DecodeStream decodes nothing (that happens on its first step), so replacing vLLM's costs
+        # only the copy of the ids.
+        if tail is not None:
+            self.stream = decode_stream(ids=list(tail), skip_special_tokens=self.skip_special_tokens)
+
+    __init__.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return __init__
+
+
+def _register_prime_tail(keep: int) -> None:
+    try:
+        from vllm.v1.engine import detokenizer
+    except ImportError:
+        logger.warning("%s: this vLLM has no vllm.v1.engine.detokenizer; priming stays as it is", ENV_PRIME)
+        return
+    cls = getattr(detokenizer, "FastIncrementalDetokenizer", None)
+    tokenizers = getattr(detokenizer, "tokenizers", None)
+    if cls is None or tokenizers is None or getattr(cls.__init__, "agentkv_wrapped", False):
+        return
+
+    def decode_stream(**kwargs: Any) -> Any:
+        # Looked up on vLLM's module at each request, as vLLM does (a backend may replace the class).
+        return tokenizers.decoders.DecodeStream(**kwargs)
+
+    cls.__init__ = _prime_with_tail(cls.__init__, keep=keep, decode_stream=decode_stream)
+    logger.debug("detokenizers primed with the prompt's last %d ids", keep)
+
+
 def register() -> None:
     """vLLM's plugin hook; runs in every vLLM process, before any renderer exists."""
+    keep = _prime_tokens()
+    if keep:
+        _register_prime_tail(keep)
     mode = _mode()
     if mode is None:
         return

@@ -9,6 +9,7 @@ what the chat template renders beyond the messages (tools, kwargs).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -359,3 +360,18 @@ def test_a_turn_tokenizes_only_what_it_adds_to_the_conversation(cluster: Cluster
     assert after["hit"] - before["hit"] >= len(prompts) - 1
     # Each of those reused all of the previous prompt but its generation prompt's few ids.
     assert after["reused"] - before["reused"] >= sum(n - 8 for n in prompts[:-1])
+
+
+def test_answers_stream_the_text_of_their_ids_with_the_detokenizer_primed_by_the_prompt_tail(
+    cluster: Cluster, router: RouterProc, model_dir: Path
+) -> None:
+    """The engines prime vLLM's incremental detokenizer with the prompt's last 128 ids (agentkv's plugin): on
+    prompts far longer than that, streamed and whole answers must still be exactly the text of their ids."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    history = [{"role": "user", "content": " ".join(conversation_script(34, 6))}]
+    for stream in (False, True):
+        turn = chat(router.url, history, conversation_id=new_id("prime"), max_tokens=48, stream=stream)
+        assert len(_render_ids(cluster.prefills[0].spec.url, history, add_generation_prompt=True)) > 4 * 128
+        assert turn.ids and turn.text == tokenizer.decode(turn.ids, skip_special_tokens=True), stream

@@ -358,3 +358,34 @@ def test_the_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> No
     ):
         monkeypatch.setenv(_vllm_plugin.ENV_MODE, value)
         assert _vllm_plugin._mode() == mode
+
+
+_texts_unicode = st.lists(
+    st.sampled_from([*"ab \n", "é", "数据", "🙂", "👩‍💻", "  def ", "<|im_end|>", "<think>", "\t"]),
+    max_size=200,
+).map("".join)
+
+
+@pytest.mark.parametrize("kind", ["bpe", "word", "metaspace-first"])
+@settings(max_examples=40, deadline=None)
+@given(prompt=_texts_unicode, answer=_texts_unicode, noise=st.lists(st.integers(0, 399), max_size=20))
+def test_a_detokenizer_primed_with_the_prompt_tail_streams_the_same_text(
+    kind: str, prompt: str, answer: str, noise: list[int]
+) -> None:
+    """What the plugin's prompt tail changes: vLLM's DecodeStream primed with the last ids of the prompt
+    instead of all of them must stream the same text for every output token (answers of real text, with
+    multi-byte characters split over several ids, then arbitrary ids)."""
+    from tokenizers.decoders import DecodeStream
+
+    from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, prompt_tail
+
+    tok = _tokenizer(kind)
+    added = set(tok.get_added_tokens_decoder())
+    prompt_ids = tok.encode(prompt * 3, add_special_tokens=False).ids
+    output = tok.encode(answer, add_special_tokens=False).ids + noise
+    for keep in (DEFAULT_PRIME_TOKENS, 8):
+        primed = prompt_tail(prompt_ids, keep, added)
+        for skip in (True, False):
+            whole = DecodeStream(ids=prompt_ids, skip_special_tokens=skip)
+            tail = DecodeStream(ids=prompt_ids if primed is None else list(primed), skip_special_tokens=skip)
+            assert [whole.step(tok, i) for i in output] == [tail.step(tok, i) for i in output]
