@@ -47,13 +47,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not cache.reusing:
         raise SystemExit(f"{args.model}: this tokenizer fails the cache's probe; nothing to measure")
     rng = random.Random(args.seed)
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": "You are a coding agent. " + _result(rng, 200)},
-        {"role": "user", "content": "Find and fix the failing test."},
+    # Agents of one application: the same system prompt, their own task and history; turns round-robin.
+    system = {"role": "system", "content": "You are a coding agent. " + _result(rng, 2000)}
+    agents: list[list[dict[str, Any]]] = [
+        [system, {"role": "user", "content": f"Task {i}: find and fix the failing test."}]
+        for i in range(args.conversations)
     ]
     rows = []
     turn = 0
     while True:
+        messages = agents[turn % len(agents)]
         messages.append({"role": "assistant", "content": f"Reading part {turn}."})
         messages.append({"role": "user", "content": _result(rng, args.result_tokens // 2)})
         t0 = time.perf_counter()
@@ -88,8 +91,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "detok_tail_ms": round(steps[1][1], 3),
             }
         )
+        rows[-1]["conversation"] = turn % len(agents)
+        rows[-1]["cached_prompts"] = len(cache)
         turn += 1
-        if len(ids) >= args.max_tokens:
+        if len(ids) >= args.max_tokens and turn % len(agents) == 0:
             return rows
 
 
@@ -102,6 +107,9 @@ def main() -> None:
     )
     ap.add_argument("--max-tokens", type=int, default=131072, help="stop once the prompt is this long")
     ap.add_argument("--result-tokens", type=int, default=2048, help="about how long each tool result is")
+    ap.add_argument(
+        "--conversations", type=int, default=1, help="agents at once, one system prompt, turns in turn"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="bench/results/tokenizer_cache")
     args = ap.parse_args()

@@ -126,19 +126,21 @@ class _Boundaries:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix, comparing in C over growing windows, then bisecting one."""
+    """Length of the longest common prefix of two texts. Compared in C over windows that double, then by
+    bisecting the first that differs; only windows of `b` are copied, so a short shared prefix costs little
+    however long the texts are (many cached conversations share a system prompt and little else)."""
     n = min(len(a), len(b))
-    if a.startswith(b[:n]):
-        return n
     lo, step = 0, 4096
-    while True:
+    while lo < n:
         hi = min(n, lo + step)
-        if a[lo:hi] != b[lo:hi]:
+        if not a.startswith(b[lo:hi], lo):
             break
         lo, step = hi, step * 2
+    else:
+        return n
     while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
+        if a.startswith(b[lo:mid], lo):
             lo = mid
         else:
             hi = mid
@@ -265,7 +267,8 @@ class TokenizerCache:
         for entry in reversed(entries):  # most recent first
             if entry.special != special or not entry.ends or entry.text[:1] != text[:1]:
                 continue
-            shared = _common_prefix(entry.text, text)
+            # The usual agent turn extends a cached prompt: one memcmp, no copy.
+            shared = len(entry.text) if text.startswith(entry.text) else _common_prefix(entry.text, text)
             i = bisect.bisect_right(entry.ends, shared) - 1
             if i < 0:
                 continue
