@@ -256,3 +256,21 @@ def test_serve_batch_invariant_reaches_the_engine_environment(monkeypatch: pytes
     invoke("serve", "decode", "--batch-invariant")
     invoke("serve", "decode")
     assert [e.get("VLLM_BATCH_INVARIANT") for e in envs] == ["1", None]
+
+
+def test_serve_switches_the_vllm_plugin_per_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentkv.server._launcher import build_command
+
+    envs: list[dict[str, str]] = []
+
+    def no_start(engine: Any) -> None:
+        envs.append(build_command(engine.spec)[1])
+        raise SystemExit(0)
+
+    monkeypatch.setattr("agentkv.server._launcher.Engine.start", no_start)
+    invoke("serve", "decode", "--tokenizer-cache", "verify", "--detokenizer-prime-tokens", "0")
+    invoke("serve", "decode")
+    got = [(e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"]) for e in envs]
+    assert got == [("verify", "0"), ("on", "128")]
+    result = invoke("serve", "decode", "--tokenizer-cache", "maybe")
+    assert result.exit_code != 0 and "on, off or verify" in flat(result.output)

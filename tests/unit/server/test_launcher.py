@@ -152,3 +152,15 @@ def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
     with pytest.raises(EngineVersionError, match=r"same vLLM release.*0\.33\.0.*0\.34\.0"):
         cluster.up()
     assert sorted(stopped) == sorted(e.name for e in cluster.engines)
+
+
+def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch_it() -> None:
+    """agentkv's vLLM plugin acts only on its environment variables: the launcher sets them per engine."""
+    env = build_command(EngineSpec(role="decode", model="/m", port=1))[1]
+    assert env["AGENTKV_TOKENIZER_CACHE"] == "on" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "128"
+    stock = ClusterConfig(model="/m", device="cpu", tokenizer_cache="off", detokenizer_prime_tokens=0)
+    for _, spec in stock.specs():
+        env = build_command(spec)[1]
+        assert env["AGENTKV_TOKENIZER_CACHE"] == "off" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "0"
+    with pytest.raises(ConfigError, match="tokenizer_cache"):
+        ClusterConfig(model="/m", tokenizer_cache="sometimes")  # type: ignore[arg-type]
