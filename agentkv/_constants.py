@@ -12,7 +12,6 @@ CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 
 # --- response headers the router adds (never internal block ids / hosts) ----------------------------
 H_REUSED_TOKENS = "x-agentkv-reused-tokens"
-H_PROMPT_TOKENS = "x-agentkv-prompt-tokens"
 H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none | local
 H_PATH = "x-agentkv-path"  # decode-local | pull | recompute | single
 H_LEASE_EXPIRES_IN = "x-agentkv-lease-expires-in"  # seconds, float
