@@ -54,6 +54,7 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
+from bench._plugin_args import add_plugin_args
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -444,18 +445,7 @@ def _parser() -> argparse.ArgumentParser:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
-    ap.add_argument(
-        "--tokenizer-cache",
-        choices=("on", "off", "verify"),
-        default="on",
-        help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
-    )
-    ap.add_argument(
-        "--detokenizer-prime-tokens",
-        type=int,
-        default=128,
-        help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
-    )
+    add_plugin_args(ap)
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")
     ap.add_argument("--start-estimate-s", type=float, default=100.0, help="budget kept for one engine start")
     ap.add_argument("--poll-s", type=float, default=1.0)

@@ -48,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from bench._plugin_args import add_plugin_args
+
 NIXL = {
     "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
     "xfers": "vllm:nixl_xfer_time_seconds_count",
@@ -622,18 +624,7 @@ def main(argv: list[str] | None = None) -> None:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
-    ap.add_argument(
-        "--tokenizer-cache",
-        choices=("on", "off", "verify"),
-        default="on",
-        help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
-    )
-    ap.add_argument(
-        "--detokenizer-prime-tokens",
-        type=int,
-        default=128,
-        help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
-    )
+    add_plugin_args(ap)
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")
     ap.add_argument(

@@ -1,0 +1,26 @@
+"""The command-line flags for agentkv's vLLM plugin, shared by the benchmarks that start clusters."""
+
+from __future__ import annotations
+
+import argparse
+
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS
+
+__all__ = ["add_plugin_args"]
+
+
+def add_plugin_args(ap: argparse.ArgumentParser) -> None:
+    """`--tokenizer-cache` and `--detokenizer-prime-tokens`: the reuse legs' engines run agentkv's plugin with
+    them; the stock legs (vLLM as a user runs it without agentkv) never do."""
+    ap.add_argument(
+        "--tokenizer-cache",
+        choices=("on", "off", "verify"),
+        default="on",
+        help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
+    )
+    ap.add_argument(
+        "--detokenizer-prime-tokens",
+        type=int,
+        default=DEFAULT_PRIME_TOKENS,
+        help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
+    )
