@@ -19,7 +19,6 @@ from agentkv._wire import (
     decode_local_body,
     prefill_body,
     prefill_params,
-    render_path,
     rendered_request,
     reusable_tokens,
     token_prefill,
@@ -100,7 +99,7 @@ class TurnRunner:
         """The token path's one render of this turn, on a prefill that serves vLLM's render API. Engines
         that do not (403 without `--enable-scale-out`, 404 before it existed) are remembered and served
         text; a render the client's body fails (400) is the client's error, as the chat route's would be."""
-        path = render_path(turn.api_path)
+        path = turn.render_path
         if not self._s.tokens or path is None:
             return
         sv = self._sv
@@ -222,7 +221,7 @@ class TurnRunner:
         if rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.
             first = turn.render_prefill
-            path = render_path(turn.api_path)
+            path = turn.render_path
             pool = [p for p in sv.prefill if path is not None and p.renders.get(path)]
         else:
             first, pool = None, list(sv.prefill)

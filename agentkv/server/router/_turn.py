@@ -16,7 +16,7 @@ from agentkv._constants import (
     H_REUSE,
     H_REUSED_TOKENS,
 )
-from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH
+from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH, render_path
 
 from ._backend import BackendState
 from ._sse import Dialect
@@ -68,6 +68,11 @@ class Turn:
         """The answer and stream format: OpenAI's completions, Anthropic's Messages or OpenAI's Responses.
         Only the completions are also checked on messages; the other two on token ids alone."""
         return _DIALECTS.get(self.api_path, "openai")
+
+    @property
+    def render_path(self) -> str | None:
+        """vLLM's render route for this turn's route (what `BackendState.renders` is keyed by), or None."""
+        return render_path(self.api_path)
 
     @property
     def stream(self) -> bool:
