@@ -175,9 +175,6 @@ def prompt_tail(ids: Sequence[int], keep: int, added: Container[int]) -> Sequenc
     return tail if any(i not in added for i in tail) else None
 
 
-_added_ids: dict[int, frozenset[int]] = {}
-
-
 def _prime_with_tail(original: Any, *, keep: int, decode_stream: Any) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, tokenizer: Any, request: Any) -> None:
@@ -185,10 +182,14 @@ def _prime_with_tail(original: Any, *, keep: int, decode_stream: Any) -> Any:
         ids = request.prompt_token_ids
         if ids is None or len(ids) <= keep:
             return
-        backend = self.tokenizer  # the `tokenizers.Tokenizer` vLLM's detokenizer steps with
-        added = _added_ids.get(id(backend))
+        # The `tokenizers.Tokenizer` vLLM's detokenizer steps with; vLLM itself keeps its added tokens on it
+        # as `added_token_ids` (id -> content), built on first use.
+        backend = self.tokenizer
+        added = getattr(backend, "added_token_ids", None)
         if added is None:
-            added = _added_ids[id(backend)] = frozenset(backend.get_added_tokens_decoder())
+            backend.added_token_ids = added = {
+                tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()
+            }
         tail = prompt_tail(ids, keep, added)
         # Building a DecodeStream decodes nothing (that happens on its first step), so replacing vLLM's costs
         # only the copy of the ids.
