@@ -15,6 +15,7 @@ from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
 from agentkv.server._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
 
 app = typer.Typer(
     help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
@@ -91,7 +92,7 @@ def serve(
             help="Prime vLLM's incremental detokenizer with the prompt's last N ids instead of the whole "
             "prompt (0: as vLLM does)."
         ),
-    ] = 128,
+    ] = DEFAULT_PRIME_TOKENS,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -100,7 +101,7 @@ def serve(
 
     if role not in ("prefill", "decode", "single"):
         raise typer.BadParameter("role must be prefill, decode or single", param_hint="ROLE")
-    if tokenizer_cache not in ("on", "off", "verify"):
+    if tokenizer_cache not in TOKENIZER_CACHE_MODES:
         raise typer.BadParameter("must be on, off or verify", param_hint="--tokenizer-cache")
     port = port or (8100 if role == "prefill" else 8200)
     spec = EngineSpec(

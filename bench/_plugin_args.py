@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
 
 __all__ = ["add_plugin_args"]
 
@@ -14,7 +14,7 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
     them; the stock legs (vLLM as a user runs it without agentkv) never do."""
     ap.add_argument(
         "--tokenizer-cache",
-        choices=("on", "off", "verify"),
+        choices=TOKENIZER_CACHE_MODES,
         default="on",
         help="agentkv's tokenizer cache in the reuse legs' engines (the stock legs always run without it)",
     )

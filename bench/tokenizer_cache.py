@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     if not cache.reusing:
         raise SystemExit(f"{args.model}: this tokenizer fails the cache's probe; nothing to measure")
+    # The answer's first token, and what the detokenizer part needs, are the same every turn.
+    first = tok.encode(" Done.", add_special_tokens=False)[0]
+    backend = tok.backend_tokenizer
+    added = set(tok.added_tokens_decoder)
     rng = random.Random(args.seed)
     # Agents of one application: the same system prompt, their own task and history; turns round-robin.
     system = {"role": "system", "content": "You are a coding agent. " + _result(rng, 2000)}
@@ -69,9 +73,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         t3 = time.perf_counter()
         if ids != whole:
             raise SystemExit(f"turn {turn}: the cache's ids differ from a whole tokenization")
-        first = tok.encode(" Done.", add_special_tokens=False)[0]
-        backend = tok.backend_tokenizer
-        tail = prompt_tail(ids, DEFAULT_PRIME_TOKENS, set(tok.added_tokens_decoder))
+        tail = prompt_tail(ids, DEFAULT_PRIME_TOKENS, added)
         steps = []
         for primed in (ids, ids if tail is None else list(tail)):
             stream = DecodeStream(ids=primed, skip_special_tokens=True)

@@ -36,7 +36,7 @@ from agentkv.server._launcher import (
     start_router,
 )
 from agentkv.server._versions import check_versions, engine_version
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TokenizerCacheMode
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES, TokenizerCacheMode
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -84,7 +84,7 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.n_prefill < 1 or self.n_decode < 1:
             raise ConfigError("a cluster needs at least one prefill and one decode")
-        if self.tokenizer_cache not in ("on", "off", "verify"):
+        if self.tokenizer_cache not in TOKENIZER_CACHE_MODES:
             raise ConfigError(f"tokenizer_cache must be on, off or verify, not {self.tokenizer_cache!r}")
         self.log_dir = Path(self.log_dir)
 

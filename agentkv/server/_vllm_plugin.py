@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections.abc import Container, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from agentkv.server._tokenizer_cache import TokenizerCache
 
@@ -37,6 +37,7 @@ __all__ = [
     "ENV_MAX_MB",
     "ENV_MODE",
     "ENV_PRIME",
+    "TOKENIZER_CACHE_MODES",
     "TokenizerCacheMode",
     "prompt_tail",
     "register",
@@ -48,6 +49,7 @@ ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
 ENV_PRIME = "AGENTKV_DETOKENIZER_PRIME_TOKENS"
 DEFAULT_PRIME_TOKENS = 128
 TokenizerCacheMode = Literal["on", "off", "verify"]  # unset means off
+TOKENIZER_CACHE_MODES: tuple[str, ...] = get_args(TokenizerCacheMode)
 ENV_MAX_MB = "AGENTKV_TOKENIZER_CACHE_MB"
 _DEFAULT_MAX_MB = 256  # ~1 MiB per 127k-token conversation (its text and ids)
 
