@@ -242,8 +242,9 @@ def test_demo_table_says_what_its_timings_measure(capsys: pytest.CaptureFixture[
     assert "41.5" in out and "420.0" in out
 
 
-def test_serve_batch_invariant_reaches_the_engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The router's exact mode needs vLLM's batch-invariant kernels on GPUs: `serve` sets them per engine."""
+@pytest.fixture
+def engine_envs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
+    """The environment each `agentkv serve` in the test would start its engine with (nothing starts)."""
     from agentkv.server._launcher import build_command
 
     envs: list[dict[str, str]] = []
@@ -253,24 +254,20 @@ def test_serve_batch_invariant_reaches_the_engine_environment(monkeypatch: pytes
         raise SystemExit(0)
 
     monkeypatch.setattr("agentkv.server._launcher.Engine.start", no_start)
+    return envs
+
+
+def test_serve_batch_invariant_reaches_the_engine_environment(engine_envs: list[dict[str, str]]) -> None:
+    """The router's exact mode needs vLLM's batch-invariant kernels on GPUs: `serve` sets them per engine."""
     invoke("serve", "decode", "--batch-invariant")
     invoke("serve", "decode")
-    assert [e.get("VLLM_BATCH_INVARIANT") for e in envs] == ["1", None]
+    assert [e.get("VLLM_BATCH_INVARIANT") for e in engine_envs] == ["1", None]
 
 
-def test_serve_switches_the_vllm_plugin_per_engine(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentkv.server._launcher import build_command
-
-    envs: list[dict[str, str]] = []
-
-    def no_start(engine: Any) -> None:
-        envs.append(build_command(engine.spec)[1])
-        raise SystemExit(0)
-
-    monkeypatch.setattr("agentkv.server._launcher.Engine.start", no_start)
+def test_serve_switches_the_vllm_plugin_per_engine(engine_envs: list[dict[str, str]]) -> None:
     invoke("serve", "decode", "--tokenizer-cache", "verify", "--detokenizer-prime-tokens", "0")
     invoke("serve", "decode")
-    got = [(e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"]) for e in envs]
+    got = [(e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"]) for e in engine_envs]
     assert got == [("verify", "0"), ("on", "128")]
     result = invoke("serve", "decode", "--tokenizer-cache", "maybe")
     assert result.exit_code != 0 and "on, off or verify" in flat(result.output)
