@@ -12,7 +12,7 @@ cache's probe.
 
 Counters on the API server's `/metrics`: `agentkv_tokenizer_cache_prompts_total{result}` (hit, miss,
 mismatch: only `verify` finds mismatches), `agentkv_tokenizer_cache_tokens_total{kind}` (reused,
-tokenized).
+tokenized), `agentkv_detokenizer_tail_primes_total`.
 
 **The detokenizer's prompt tail** (`AGENTKV_DETOKENIZER_PRIME_TOKENS`, a number of ids). vLLM primes each
 request's incremental detokenizer (`FastIncrementalDetokenizer`, a `tokenizers.DecodeStream`) with the whole
@@ -75,6 +75,9 @@ class _Counters:
             "agentkv_tokenizer_cache_prompts", "Prompts tokenized through the prefix cache", ["result"]
         )
         self.tokens = Counter("agentkv_tokenizer_cache_tokens", "Prompt ids reused or tokenized", ["kind"])
+        self.tail_primes = Counter(
+            "agentkv_detokenizer_tail_primes", "Detokenizers primed with the prompt's tail, not all of it"
+        )
 
     def __call__(self, result: str, reused: int, tokenized: int) -> None:
         self.prompts.labels(result=result).inc()
@@ -197,6 +200,8 @@ def _prime_with_tail(original: Any, *, keep: int, decode_stream: Any) -> Any:
         # only the copy of the ids.
         if tail is not None:
             self.stream = decode_stream(ids=list(tail), skip_special_tokens=self.skip_special_tokens)
+            if (counters := _counters()) is not None:
+                counters.tail_primes.inc()
 
     __init__.agentkv_wrapped = True  # type: ignore[attr-defined]
     return __init__

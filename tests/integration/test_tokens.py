@@ -370,8 +370,12 @@ def test_answers_stream_the_text_of_their_ids_with_the_detokenizer_primed_by_the
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    d_metrics = f"{cluster.decodes[0].spec.url}/metrics"
     history = [{"role": "user", "content": " ".join(conversation_script(34, 6))}]
     for stream in (False, True):
+        primed = metric(d_metrics, "agentkv_detokenizer_tail_primes_total")
         turn = chat(router.url, history, conversation_id=new_id("prime"), max_tokens=48, stream=stream)
         assert len(_render_ids(cluster.prefills[0].spec.url, history, add_generation_prompt=True)) > 4 * 128
+        # Decode streamed this answer through a detokenizer primed with the tail.
+        assert metric(d_metrics, "agentkv_detokenizer_tail_primes_total") > primed, stream
         assert turn.ids and turn.text == tokenizer.decode(turn.ids, skip_special_tokens=True), stream
