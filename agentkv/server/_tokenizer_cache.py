@@ -279,21 +279,26 @@ class TokenizerCache:
         return best
 
     def _store(self, text: str, ids: list[int], special: bool, base: tuple[_Entry, int, int] | None) -> None:
-        if base is None:
-            lead = (self._lead or 0) if special else 0
-            found = self._boundaries.find(text, ids[lead:], id_base=lead)
-            if found is None or not found[0]:
-                return
-            ends, counts = found
-        else:
-            entry, end, count = base
-            i = bisect.bisect_right(entry.ends, end)
-            found = self._boundaries.find(text[end:], ids[count:], char_base=end, id_base=count)
-            if found is None:
-                return
-            ends, counts = entry.ends[:i] + found[0], entry.counts[:i] + found[1]
+        # The ids kept are the base entry's (an array slice: a copy of machine ints) and the new ones only;
+        # converting the whole list again cost more than tokenizing the turn at 130k tokens.
+        known = 0
         try:
-            kept = array.array("i", ids[: counts[-1]])
+            if base is None:
+                lead = (self._lead or 0) if special else 0
+                found = self._boundaries.find(text, ids[lead:], id_base=lead)
+                if found is None or not found[0]:
+                    return
+                ends, counts = found
+                kept = array.array("i")
+            else:
+                entry, end, known = base
+                i = bisect.bisect_right(entry.ends, end)
+                found = self._boundaries.find(text[end:], ids[known:], char_base=end, id_base=known)
+                if found is None:
+                    return
+                ends, counts = entry.ends[:i] + found[0], entry.counts[:i] + found[1]
+                kept = entry.ids[:known]
+            kept.extend(ids[known : counts[-1]])
         except OverflowError:  # an id beyond 31 bits: no vocabulary has one
             return
         new = _Entry(text=text[: ends[-1]], ids=kept, ends=ends, counts=counts, special=special)
