@@ -337,7 +337,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         model=args.model,
         device=args.device,
         bidirectional=on,
-        prefill_prefix_caching=leg == "floor",
+        prefill_prefix_caching=leg == "floor" or (on and args.prefill_prefix_caching),
         router_port=None,
         max_model_len=args.max_model_len,
         lease_s=args.lease_s,
@@ -624,6 +624,13 @@ def main(argv: list[str] | None = None) -> None:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument(
+        "--prefill-prefix-caching",
+        action="store_true",
+        help="the reuse legs' prefill keeps vLLM's prefix cache (vLLM's and `agentkv up`'s default): a pull "
+        "then reads from decode only what that cache lacks. Without it prefill caches nothing (the published "
+        "cache-eviction case) and every reused token comes from decode. OFF never caches; floor always does.",
+    )
     add_plugin_args(ap)
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")

@@ -95,6 +95,8 @@ class TurnBook:
             if held_ids is not None or turn.dialect != "openai"
             else Prefix.of_turn(turn.body, output.assistant_message(), prompt_only=self._sv.settings.exact),
             tokens=held_ids,
+            # A decode-local turn ran no prefill: the one before it still holds what it computed.
+            prefill=turn.prefill if turn.prefill != "-" else (record.prefill if record else None),
         )
 
     def keeps(self, turn: Turn) -> bool:

@@ -33,11 +33,13 @@ ReuseVerdict = Literal["ok", "miss", "expired", "mismatch"]
 
 
 def choose_prefill(
-    states: Iterable[BackendState], *, exclude: frozenset[str] = frozenset()
+    states: Iterable[BackendState], *, exclude: frozenset[str] = frozenset(), prefer: str | None = None
 ) -> BackendState | None:
-    """The healthy P with the fewest outstanding requests (ties: the one used least so far)."""
+    """The healthy P with the fewest outstanding requests. Ties go to `prefer`, the P that computed the
+    conversation's last prompt: vLLM's prefix cache there may still hold it, so a pull reads from decode only
+    what that cache lacks, and its tokenizer cache holds the prompt. Then to the P used least so far."""
     candidates = [s for s in states if s.healthy and s.name not in exclude]
-    chosen = min(candidates, key=lambda s: (s.outstanding, s.placed), default=None)
+    chosen = min(candidates, key=lambda s: (s.outstanding, s.name != prefer, s.placed), default=None)
     if chosen is not None:
         chosen.placed += 1
     return chosen

@@ -65,7 +65,7 @@ class TurnRunner:
                     await stack.aclose()
                     stack = contextlib.AsyncExitStack()
                     turn.key = None
-            await self._render(turn)
+            await self._render(turn, record)
             decode, decision = await self._plan(turn, record, locked)
             try:
                 if decision.path == "decode-local":
@@ -95,7 +95,7 @@ class TurnRunner:
         finally:
             await stack.aclose()
 
-    async def _render(self, turn: Turn) -> None:
+    async def _render(self, turn: Turn, record: ConversationRecord | None) -> None:
         """The token path's one render of this turn, on a prefill that serves vLLM's render API. Engines
         that do not (403 without `--enable-scale-out`, 404 before it existed) are remembered and served
         text; a render the client's body fails (400) is the client's error, as the chat route's would be."""
@@ -105,8 +105,12 @@ class TurnRunner:
         sv = self._sv
         refused: list[BackendState] = []
 
+        # The prefill that rendered is the one the token path's P hop goes to.
+        prefer = record.prefill if record is not None else None
+
         def choose(tried: frozenset[str]) -> BackendState | None:
-            return choose_prefill((p for p in sv.prefill if p.renders.get(path) is not False), exclude=tried)
+            pool = (p for p in sv.prefill if p.renders.get(path) is not False)
+            return choose_prefill(pool, exclude=tried, prefer=prefer)
 
         async def attempt(p: BackendState) -> Any:
             try:
@@ -226,10 +230,12 @@ class TurnRunner:
         else:
             first, pool = None, list(sv.prefill)
 
+        prefer = record.prefill if record is not None else None
+
         def choose(tried: frozenset[str]) -> BackendState | None:
             if first is not None and first.name not in tried and first.healthy:
                 return first
-            return choose_prefill(pool, exclude=tried)
+            return choose_prefill(pool, exclude=tried, prefer=prefer)
 
         # Set before the hop: once P has the params it may have read (and so freed) decode's blocks.
         turn.used_retained = retained is not None

@@ -45,6 +45,8 @@ class ConversationRecord:
     prefix: Prefix | None = None
     # The token ids decode holds (fingerprint), when the turn ran on the token path; checked before `prefix`.
     tokens: TokenPrefix | None = None
+    # The prefill that last computed this conversation's prompt (its prefix cache may still hold it).
+    prefill: str | None = None
     version: int = 0
 
     def lease_view(self, now: float | None = None) -> tuple[str, float]:

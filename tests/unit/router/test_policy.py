@@ -27,6 +27,13 @@ def test_prefill_least_outstanding_healthy_first_configured_on_ties() -> None:
     assert choose_prefill(pool("prefill", [0, 5]), exclude=frozenset({"p0"})).name == "p1"  # type: ignore[union-attr]
 
 
+def test_prefill_ties_go_to_the_one_that_computed_the_conversation() -> None:
+    assert choose_prefill(pool("prefill", [1, 1, 1]), prefer="p2").name == "p2"  # type: ignore[union-attr]
+    assert choose_prefill(pool("prefill", [1, 0, 1]), prefer="p2").name == "p1"  # type: ignore[union-attr]
+    assert choose_prefill(pool("prefill", [0, 0], [True, False]), prefer="p1").name == "p0"  # type: ignore[union-attr]
+    assert choose_prefill(pool("prefill", [0, 0]), prefer="p1", exclude=frozenset({"p1"})).name == "p0"  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize(
     ("loads", "healthy", "cap", "expected"),
     [

@@ -171,10 +171,12 @@ def test_token_prefix_property(prompt: list[int], suffix: list[int], data: st.Da
 
 def test_records_round_trip_the_token_fingerprint() -> None:
     held = TokenPrefix.of([1, 2, 3, 4], offered=3, exact=True)
-    record = ConversationRecord(decode="d0", request_id="r", tokens=held)
+    record = ConversationRecord(decode="d0", request_id="r", tokens=held, prefill="p1")
     assert ConversationRecord.from_json(record.to_json()) == record
-    old = {k: v for k, v in record.to_json().items() if k != "tokens"}  # written before the field existed
+    # Written before the fields existed:
+    old = {k: v for k, v in record.to_json().items() if k not in ("tokens", "prefill")}
     assert ConversationRecord.from_json(old).tokens is None
+    assert ConversationRecord.from_json(old).prefill is None
 
 
 def test_token_prefill_asks_for_one_token_from_the_ids_on_either_route() -> None:

@@ -475,6 +475,20 @@ async def test_a_whole_answer_decode_aborted_is_a_502(engines: FakeEngines, make
     assert lookup.status_code == 404
 
 
+async def test_a_conversation_goes_back_to_the_prefill_that_computed_it(
+    engines: FakeEngines, make_client
+) -> None:
+    """Both prefills idle: the next turn goes to the one that computed the last prompt (vLLM's prefix cache
+    there may still hold it), not to the one used least; a new conversation still spreads to the other."""
+    async with make_client() as client:
+        first = (await chat(client, USER1)).json()
+        second = await chat(client, next_messages(USER1, first))
+        await chat(client, USER1, cid="c2")
+    assert second.headers["x-agentkv-reuse"] == "hit"
+    prefills = [host for host, method, *_ in engines.seen if method == "POST" and host.startswith("p")]
+    assert prefills == ["p0.test", "p0.test", "p1.test"]
+
+
 async def test_prefill_down_fails_over_to_other_prefill(engines: FakeEngines, make_client) -> None:
     engines.down.add("p0.test")
     async with make_client(health_interval_s=5) as client:
