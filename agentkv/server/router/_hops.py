@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -12,6 +11,7 @@ import httpx
 
 from agentkv._exceptions import APIStatusError
 
+from . import _codec
 from ._backend import BackendState
 from ._errors import client_error, sanitise_upstream_error
 from ._metrics import RouterMetrics
@@ -44,7 +44,7 @@ class Hops:
         return httpx.Request(
             "POST",
             f"{state.backend.url}{path}",
-            content=json.dumps(body).encode(),
+            content=_codec.encode(body),
             headers={"content-type": "application/json", "x-request-id": request_id},
             extensions={"timeout": {"connect": c, "read": read_s, "write": c, "pool": c}},
         )
@@ -78,7 +78,7 @@ class Hops:
                     await resp.aclose()
         self.check_status(role, resp.status_code, resp.content)
         try:
-            return resp.json()
+            return _codec.decode(resp.content)
         except ValueError:
             return None
 

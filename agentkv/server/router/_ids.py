@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import uuid
 from collections.abc import Mapping
@@ -95,10 +96,23 @@ def conversation_key(tenant: str, conversation_id: str) -> str:
     return f"{tenant}/{conversation_id}"
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(constant)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """Decode and type-check the fields the router relies on; the engine validates the rest."""
     try:
-        body = json.loads(raw)
+        # NaN and Infinity are not JSON (Python's parser accepts them, and 1e999 as infinity; the hops'
+        # encoder would write them as null).
+        body = json.loads(raw, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, UnicodeDecodeError):
         raise client_error(400, "request body is not valid JSON") from None
     if not isinstance(body, dict):

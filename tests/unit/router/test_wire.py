@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import prefill_body
+from agentkv.server.router import _codec
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
 from agentkv.server.router._params import strip_client_fields, strip_kv_json
 from agentkv.server.router._prefix import Prefix
@@ -59,6 +63,35 @@ def test_parse_body_accepts_prompt_shapes() -> None:
     for prompt in (None, [], [1, "x"], [[]], {"a": 1}):
         with pytest.raises(APIStatusError):
             parse_body(json.dumps({"prompt": prompt}).encode(), "completions")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b'{"prompt": "a", "temperature": NaN}',
+        b'{"prompt": "a", "x": -Infinity}',
+        b'{"prompt": "a", "top_p": 1e999}',
+    ],
+)
+def test_parse_body_refuses_numbers_json_cannot_hold(bad: bytes) -> None:
+    with pytest.raises(APIStatusError) as err:
+        parse_body(bad, "completions")
+    assert err.value.status_code == 400
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(st.text(), JSON, max_size=6))
+def test_hop_codec_round_trips_whatever_a_parsed_body_holds(body: dict[str, Any]) -> None:
+    raw = json.dumps({**body, "prompt": "p"}).encode()
+    parsed = parse_body(raw, "completions")
+    assert json.loads(_codec.encode(parsed)) == parsed
+    assert _codec.decode(json.dumps(parsed).encode()) == parsed
 
 
 def test_strip_client_fields() -> None:

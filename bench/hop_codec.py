@@ -1,0 +1,105 @@
+"""The router's JSON on the token path beside the standard library's, per turn, as the prompt grows (CPU, no
+engine): what the router spends encoding and decoding bodies that carry every prompt token id.
+
+    python -m bench.hop_codec [--lengths 8192,32768,65536,131072] [--rounds 9]
+
+Per turn at a context of N tokens the router decodes the render answer (N ids), encodes the prefill body (N
+ids) and encodes the decode body (the messages, ~4 characters per token; on vLLM >= 0.32 also the N ids,
+not counted here). Both sides run the same bodies: `json` (the standard library, what the router used) and
+`agentkv.server.router._codec` (msgspec). Median of ``--rounds`` per operation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentkv.server.router import _codec
+from bench._common import (
+    command_line,
+    console,
+    line_chart,
+    print_table,
+    results_dir,
+    summarize,
+    write_results,
+)
+
+NAME = "hop_codec"
+WORDS = "agent tool search file row column query report number answer table cache block def return".split()
+
+
+def _bodies(n: int, rng: random.Random) -> tuple[bytes, dict[str, Any], dict[str, Any]]:
+    ids = [rng.randrange(150_000) for _ in range(n)]
+    render = json.dumps({"request_id": "r", "token_ids": ids, "sampling_params": {"max_tokens": 32}}).encode()
+    prefill = {"model": "m", "prompt": ids, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    messages = []
+    while sum(len(m["content"]) for m in messages) < 4 * n:
+        text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(400))
+        messages.append({"role": "tool", "content": text, "tool_call_id": f"call_{len(messages)}"})
+    return render, prefill, {"model": "m", "messages": messages, "max_tokens": 256}
+
+
+def _median_ms(fn: Callable[[Any], object], arg: Any, rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn(arg)
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(summarize(times)["p50"])
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(prog="python -m bench.hop_codec", description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="8192,32768,65536,131072", help="context lengths in tokens")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/hop_codec)")
+    args = ap.parse_args(argv)
+    codecs: dict[str, tuple[Callable[[bytes], Any], Callable[[Any], bytes]]] = {
+        "json (stdlib)": (json.loads, lambda obj: json.dumps(obj).encode()),
+        "msgspec (agentkv)": (_codec.decode, _codec.encode),
+    }
+    rng = random.Random(0)
+    rows: list[dict[str, Any]] = []
+    for n in [int(x) for x in args.lengths.split(",")]:
+        render, prefill, decode = _bodies(n, rng)
+        row: dict[str, Any] = {"tokens": n}
+        for label, (loads, dumps) in codecs.items():
+            parts = {
+                "render answer (decode)": _median_ms(loads, render, args.rounds),
+                "prefill body (encode)": _median_ms(dumps, prefill, args.rounds),
+                "decode body (encode)": _median_ms(dumps, decode, args.rounds),
+            }
+            row[label] = {**parts, "per turn": sum(parts.values())}
+        rows.append(row)
+    labels = list(codecs)
+    print_table(
+        "the router's JSON per turn on the token path, median ms",
+        [
+            "context tokens",
+            *(f"{label}: {part}" for label in labels for part in ("render", "prefill", "decode", "turn")),
+        ],
+        [[r["tokens"], *(v for label in labels for v in r[label].values())] for r in rows],
+    )
+    out = results_dir(NAME, args.out)
+    line_chart(
+        out / "hop_codec.png",
+        title="the router's JSON per turn (render answer + prefill and decode bodies), median",
+        series={
+            label: ([r["tokens"] for r in rows], [r[label]["per turn"] for r in rows]) for label in labels
+        },
+        xlabel="context tokens",
+        ylabel="ms",
+    )
+    data = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    console.print(f"wrote {write_results(NAME, data, command_line(), out_dir=out)}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
