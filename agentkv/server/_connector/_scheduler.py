@@ -220,10 +220,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
                 n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
                 params.update(cut_offer(params, n, self.block_size))
-            params[FINGERPRINTS_KEY] = block_fingerprints(
-                request.all_token_ids, self.block_size, limit_tokens=n
-            )
-            params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n)
+            chain = block_fingerprints(request.all_token_ids, self.block_size, limit_tokens=n)
+            params[FINGERPRINTS_KEY] = chain
+            params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n, chain=chain)
             retained = True
             if self.leases is not None:
                 svc = self.service

@@ -1,3 +1,6 @@
+from hypothesis import given
+from hypothesis import strategies as st
+
 from agentkv.server._connector._hashing import (
     block_fingerprints,
     matching_prefix_blocks,
@@ -51,3 +54,12 @@ def test_only_prefill_computed_kv_is_offered() -> None:
     assert prefill_computed_tokens(computed=300 + 20 - 1, num_prompt_tokens=300) == 299
     assert prefill_computed_tokens(computed=150, num_prompt_tokens=300) == 150  # stopped early: all from P
     assert prefill_computed_tokens(computed=0, num_prompt_tokens=0) == 0
+
+
+@given(st.lists(st.integers(0, 2**40), max_size=40), st.integers(1, 40), st.integers(0, 10))
+def test_tail_from_a_given_chain_equals_the_tail_computed_alone(ids: list[int], n: int, extra: int) -> None:
+    """A caller's chain (of at least the tail's full blocks) gives the same tail as computing it again; a
+    chain too short for them is not used."""
+    alone = tail_fingerprint(ids, BS, n)
+    assert tail_fingerprint(ids, BS, n, chain=block_fingerprints(ids, BS, limit_tokens=n + extra)) == alone
+    assert tail_fingerprint(ids, BS, n, chain=block_fingerprints(ids, BS, limit_tokens=n - BS)) == alone
