@@ -1,4 +1,5 @@
-"""The command-line flags for agentkv's vLLM plugin, shared by the benchmarks that start clusters."""
+"""The command-line flags for the reuse legs' engines (agentkv's vLLM plugin, prefill's prefix cache), shared
+by the benchmarks that start clusters."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
 
-__all__ = ["add_plugin_args"]
+__all__ = ["add_plugin_args", "add_prefill_cache_arg"]
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
@@ -23,4 +24,15 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PRIME_TOKENS,
         help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
+    )
+
+
+def add_prefill_cache_arg(ap: argparse.ArgumentParser) -> None:
+    """`--prefill-prefix-caching`: the reuse legs' prefill keeps vLLM's prefix cache."""
+    ap.add_argument(
+        "--prefill-prefix-caching",
+        action="store_true",
+        help="the reuse legs' prefill keeps vLLM's prefix cache (vLLM's and `agentkv up`'s default): a pull "
+        "then reads from decode only what that cache lacks. Without it prefill caches nothing (the published "
+        "cache-eviction case) and every reused token comes from decode. OFF never caches; floor always does.",
     )

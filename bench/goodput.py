@@ -54,7 +54,7 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
-from bench._plugin_args import add_plugin_args
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -257,7 +257,8 @@ class _Deployment:
                 model=args.model,
                 device=args.device,
                 bidirectional=self.group == "reuse",
-                prefill_prefix_caching=self.group == "floor",
+                prefill_prefix_caching=self.group == "floor"
+                or (self.group == "reuse" and args.prefill_prefix_caching),
                 router_port=None,
                 max_model_len=args.max_model_len,
                 lease_s=args.lease_s,
@@ -445,6 +446,7 @@ def _parser() -> argparse.ArgumentParser:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")
     ap.add_argument("--start-estimate-s", type=float, default=100.0, help="budget kept for one engine start")

@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench._plugin_args import add_plugin_args
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg
 
 NIXL = {
     "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
@@ -624,13 +624,7 @@ def main(argv: list[str] | None = None) -> None:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
-    ap.add_argument(
-        "--prefill-prefix-caching",
-        action="store_true",
-        help="the reuse legs' prefill keeps vLLM's prefix cache (vLLM's and `agentkv up`'s default): a pull "
-        "then reads from decode only what that cache lacks. Without it prefill caches nothing (the published "
-        "cache-eviction case) and every reused token comes from decode. OFF never caches; floor always does.",
-    )
+    add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--port-base", type=int, default=21000)
     ap.add_argument("--log-dir", default=".agentkv/bench-logs")
