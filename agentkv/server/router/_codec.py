@@ -1,6 +1,6 @@
 """JSON for the hops to engines, where bodies grow with the conversation: a render answer or a prefill
-body carries every prompt token id (130k ids: ~1 ms to encode with msgspec, 11-16 ms with the standard
-library on this project's CI machine, on every turn).
+body carries every prompt token id, on every turn (`python -m bench.hop_codec`: 4.7 ms of JSON per
+131k-token turn with msgspec, 17.9 with the standard library).
 
 msgspec writes what the standard library writes for every value a router body can hold (``parse_body``
 refuses the non-finite numbers, which msgspec would write as null)."""
