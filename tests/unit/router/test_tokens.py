@@ -110,6 +110,19 @@ async def test_a_repeated_request_is_not_reused_in_exact_mode(engines: FakeEngin
     assert again.headers["x-agentkv-reuse"] == "mismatch"
 
 
+async def test_a_conversation_is_rendered_and_prefilled_where_its_last_prompt_was_computed(
+    engines: FakeEngines, make_client
+) -> None:
+    """Both prefills idle: turn 2's render and prefill go back to turn 1's prefill (its prefix and tokenizer
+    caches hold the conversation), not to the one used least."""
+    engines.renders = True
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1)
+        await chat(client, then(USER1, r1))
+    hosts = [host for host, method, path, *_ in engines.seen if method == "POST" and host.startswith("p")]
+    assert hosts == ["p0.test"] * 4, hosts  # render + prefill, twice
+
+
 async def test_engines_without_the_render_api_are_served_text_and_not_asked_again(
     engines: FakeEngines, make_client
 ) -> None:
