@@ -15,7 +15,7 @@ from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
 from agentkv.server._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
 app = typer.Typer(
     help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
@@ -93,6 +93,13 @@ def serve(
             "prompt (0: as vLLM does)."
         ),
     ] = DEFAULT_PRIME_TOKENS,
+    forwarded_ids: Annotated[
+        str,
+        typer.Option(
+            help="on: a decode on vLLM < 0.32 runs the prompt ids the router forwards instead of rendering "
+            "the messages again (vLLM 0.32+ does it itself); off: vLLM as shipped."
+        ),
+    ] = "on",
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -103,6 +110,8 @@ def serve(
         raise typer.BadParameter("role must be prefill, decode or single", param_hint="ROLE")
     if tokenizer_cache not in TOKENIZER_CACHE_MODES:
         raise typer.BadParameter("must be on, off or verify", param_hint="--tokenizer-cache")
+    if forwarded_ids not in FORWARDED_IDS_MODES:
+        raise typer.BadParameter("must be on, off or always", param_hint="--forwarded-ids")
     port = port or (8100 if role == "prefill" else 8200)
     spec = EngineSpec(
         role=role,  # type: ignore[arg-type]
@@ -121,6 +130,7 @@ def serve(
         env={"VLLM_BATCH_INVARIANT": "1"} if batch_invariant else {},
         tokenizer_cache=tokenizer_cache,  # type: ignore[arg-type]
         detokenizer_prime_tokens=max(0, detokenizer_prime_tokens),
+        forwarded_ids=forwarded_ids,  # type: ignore[arg-type]
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)

@@ -11,8 +11,8 @@ __all__ = ["add_plugin_args", "add_prefill_cache_arg"]
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
-    """`--tokenizer-cache` and `--detokenizer-prime-tokens`: the reuse legs' engines run agentkv's plugin with
-    them; the stock legs (vLLM as a user runs it without agentkv) never do."""
+    """`--tokenizer-cache`, `--detokenizer-prime-tokens` and `--forwarded-ids`: the reuse legs' engines run
+    agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv) never do."""
     ap.add_argument(
         "--tokenizer-cache",
         choices=TOKENIZER_CACHE_MODES,
@@ -24,6 +24,13 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_PRIME_TOKENS,
         help="prompt ids the reuse legs' detokenizers are primed with (0: the whole prompt, as vLLM)",
+    )
+    ap.add_argument(
+        "--forwarded-ids",
+        choices=("on", "off"),
+        default="on",
+        help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
+        "rendering the messages again (vLLM 0.32+ does it itself, whatever this says)",
     )
 
 

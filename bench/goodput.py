@@ -236,6 +236,7 @@ class _Deployment:
                 cpu_kvcache_gib=2,
                 tokenizer_cache="off",  # vLLM as a user would run it alone
                 detokenizer_prime_tokens=0,
+                forwarded_ids="off",
                 extra_args=list(
                     args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []
                 ),
@@ -268,6 +269,7 @@ class _Deployment:
                 env=env,
                 tokenizer_cache=args.tokenizer_cache if self.group == "reuse" else "off",
                 detokenizer_prime_tokens=args.detokenizer_prime_tokens if self.group == "reuse" else 0,
+                forwarded_ids=args.forwarded_ids if self.group == "reuse" else "off",
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )

@@ -347,6 +347,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         tokenizer_cache=args.tokenizer_cache if on else "off",
         detokenizer_prime_tokens=args.detokenizer_prime_tokens if on else 0,
+        forwarded_ids=args.forwarded_ids if on else "off",
         prefill_port=args.port_base + 100,
         decode_port=args.port_base + 200,
     )
@@ -357,17 +358,18 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
     return cluster
 
 
-def tokenizer_cache_counts(url: str) -> dict[str, float]:
-    """An engine's agentkv_tokenizer_cache_* counters ({} without it), keyed like `prompts{result="hit"}`."""
+def plugin_counts(url: str) -> dict[str, float]:
+    """An engine's counters of agentkv's vLLM plugin ({} without it), keyed like
+    `tokenizer_cache_prompts{result="hit"}` or `forwarded_ids_prompts`."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return {}
     counts = {}
     for line in text.splitlines():
-        if line.startswith("agentkv_tokenizer_cache_") and "_total" in line:
+        if line.startswith("agentkv_") and "_total" in line:
             name, _, value = line.rpartition(" ")
-            counts[name.removeprefix("agentkv_tokenizer_cache_").replace("_total", "")] = float(value)
+            counts[name.removeprefix("agentkv_").replace("_total", "")] = float(value)
     return counts
 
 
@@ -387,6 +389,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         env=dict(e.split("=", 1) for e in args.env or []),
         tokenizer_cache="off",  # vLLM as a user would run it alone
         detokenizer_prime_tokens=0,
+        forwarded_ids="off",
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
     engine = Engine(spec=spec, name="single")
@@ -670,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     shapes = args.shape.split(",")
     rows: dict[str, list[dict[str, Any]]] = {shape: [] for shape in shapes}
-    tokenizer_cache: dict[str, dict[str, dict[str, float]]] = {}
+    plugin: dict[str, dict[str, dict[str, float]]] = {}
     if args.router:
         # Attached to a cluster someone else started (bench/repro/serve.sh): one leg, one shape at a time.
         if not (args.prefill_url and args.decode_url) or len(args.legs.split(",")) != 1:
@@ -719,7 +722,7 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 finally:
                     router_proc.stop()
-            tokenizer_cache[leg] = {e.spec.role: tokenizer_cache_counts(e.spec.url) for e in cluster.engines}
+            plugin[leg] = {e.spec.role: plugin_counts(e.spec.url) for e in cluster.engines}
         finally:
             cluster.down()
     for shape in shapes:
@@ -728,8 +731,9 @@ def main(argv: list[str] | None = None) -> None:
             "shape": shape,
             "requests": rows[shape],
             "summary": summarize(rows[shape], shape),
-            # Each engine's tokenizer cache counters at the end of its leg (all shapes of the leg together).
-            "tokenizer_cache": tokenizer_cache,
+            # Each engine's plugin counters (tokenizer cache, detokenizer tail, forwarded ids) at the end of
+            # its leg (all shapes of the leg together).
+            "plugin": plugin,
         }
         out_dir = Path(args.out or f"bench/results/multiturn_sweep_{args.device}")
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,13 @@ from agentkv.server._launcher import (
     start_router,
 )
 from agentkv.server._versions import check_versions, engine_version
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES, TokenizerCacheMode
+from agentkv.server._vllm_plugin import (
+    DEFAULT_PRIME_TOKENS,
+    FORWARDED_IDS_MODES,
+    TOKENIZER_CACHE_MODES,
+    ForwardedIdsMode,
+    TokenizerCacheMode,
+)
 
 if TYPE_CHECKING:
     from agentkv.server._warmup import WarmUpReport
@@ -75,6 +81,7 @@ class ClusterConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
     tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
+    forwarded_ids: ForwardedIdsMode = "on"  # the same plugin: decode < 0.32 runs the router's forwarded ids
     extra_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
@@ -86,6 +93,8 @@ class ClusterConfig:
             raise ConfigError("a cluster needs at least one prefill and one decode")
         if self.tokenizer_cache not in TOKENIZER_CACHE_MODES:
             raise ConfigError(f"tokenizer_cache must be on, off or verify, not {self.tokenizer_cache!r}")
+        if self.forwarded_ids not in FORWARDED_IDS_MODES:
+            raise ConfigError(f"forwarded_ids must be on, off or always, not {self.forwarded_ids!r}")
         self.log_dir = Path(self.log_dir)
 
     @classmethod
@@ -141,6 +150,7 @@ class ClusterConfig:
             tool_call_parser=self.tool_call_parser,
             tokenizer_cache=self.tokenizer_cache,
             detokenizer_prime_tokens=self.detokenizer_prime_tokens,
+            forwarded_ids=self.forwarded_ids,
             extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},

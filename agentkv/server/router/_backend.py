@@ -81,6 +81,9 @@ class BackendState:
     # None until probed: whether decode runs our retention service (leases) or stock vLLM (fixed TTL).
     retention: bool | None = None
     lease_s: float | None = None
+    # Decode's retention service says its API server takes forwarded prompt ids on a vLLM older than 0.32
+    # (agentkv's plugin, `AGENTKV_FORWARDED_IDS`); learned with `retention`.
+    forwarded_ids: bool = False
     registration: Registration | None = None
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.

@@ -57,6 +57,7 @@ class LeaseClient:
             )
         info = _json(resp) if resp is not None and resp.status_code == 200 else None
         decode.retention = info is not None
+        decode.forwarded_ids = info is not None and info.get("forwarded_ids") is True
         if info is not None:
             lease_s = info.get("lease_s")
             decode.lease_s = float(lease_s) if isinstance(lease_s, (int, float)) else None
@@ -93,8 +94,11 @@ class LeaseClient:
 
     async def learn_takes_ids(self, decode: BackendState) -> bool:
         """Whether decode renders from forwarded `kv_transfer_params["prompt_token_ids"]` instead of the
-        messages (vLLM >= 0.32); older ones would only carry the ids along unused."""
-        return await self._runs_tokens_in(decode)
+        messages: vLLM >= 0.32, or an older one with agentkv's plugin taking them (its service says so); other
+        decodes would only carry the ids along unused."""
+        if decode.retention is None:
+            await self.probe(decode)
+        return decode.forwarded_ids or await self._runs_tokens_in(decode)
 
     async def learn_generates(self, prefill: BackendState) -> bool:
         """Whether prefill's `/inference/v1/generate` hands `kv_transfer_params` to its engine (vLLM >= 0.32;

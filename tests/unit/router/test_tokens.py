@@ -76,6 +76,18 @@ async def test_decode_before_0_32_is_not_sent_ids_it_would_ignore(engines: FakeE
     assert not engines.requests("p", GENERATE)
 
 
+async def test_decode_before_0_32_with_agentkvs_plugin_is_sent_the_ids(
+    engines: FakeEngines, make_client
+) -> None:
+    """Its retention service says the API server takes them (`AGENTKV_FORWARDED_IDS`)."""
+    engines.renders, engines.version, engines.d_forwarded_ids = True, "0.26.0", True
+    async with make_client(tokens=True) as client:
+        r = await chat(client, USER1)
+    assert r.status_code == 200
+    [d_body] = engines.completions("d")
+    assert d_body["kv_transfer_params"]["prompt_token_ids"] == render_ids(engines.requests("p", RENDER)[0][0])
+
+
 async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(
     engines: FakeEngines, make_client
 ) -> None:

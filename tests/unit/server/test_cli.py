@@ -265,9 +265,23 @@ def test_serve_batch_invariant_reaches_the_engine_environment(engine_envs: list[
 
 
 def test_serve_switches_the_vllm_plugin_per_engine(engine_envs: list[dict[str, str]]) -> None:
-    invoke("serve", "decode", "--tokenizer-cache", "verify", "--detokenizer-prime-tokens", "0")
+    invoke(
+        "serve",
+        "decode",
+        "--tokenizer-cache",
+        "verify",
+        "--detokenizer-prime-tokens",
+        "0",
+        "--forwarded-ids",
+        "off",
+    )
     invoke("serve", "decode")
-    got = [(e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"]) for e in engine_envs]
-    assert got == [("verify", "0"), ("on", "128")]
+    got = [
+        (e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"], e["AGENTKV_FORWARDED_IDS"])
+        for e in engine_envs
+    ]
+    assert got == [("verify", "0", "off"), ("on", "128", "on")]
     result = invoke("serve", "decode", "--tokenizer-cache", "maybe")
     assert result.exit_code != 0 and "on, off or verify" in flat(result.output)
+    result = invoke("serve", "decode", "--forwarded-ids", "maybe")
+    assert result.exit_code != 0 and "on, off or always" in flat(result.output)

