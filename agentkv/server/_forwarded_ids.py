@@ -165,14 +165,11 @@ def install(*, always: bool) -> bool:
         return False
     if hasattr(online_renderer, "_reused_prompt_token_ids") and not always:
         return False  # vLLM's own
-    cls = getattr(online_renderer, "OnlineRenderer", None)
-    preprocess = getattr(cls, "preprocess_chat", None)
-    render = getattr(BaseRenderer, "render_chat_async", None)
-    if cls is None or preprocess is None or render is None:
-        logger.warning("forwarded ids: this vLLM renders chats elsewhere; decode renders the messages")
-        return False
+    # Both present in 0.26-0.34 (the API check reads each release's source).
+    preprocess = online_renderer.OnlineRenderer.preprocess_chat
+    render = BaseRenderer.render_chat_async
     if not getattr(preprocess, "agentkv_wrapped", False):
-        cls.preprocess_chat = _wrap_preprocess_chat(preprocess)
+        online_renderer.OnlineRenderer.preprocess_chat = _wrap_preprocess_chat(preprocess)  # type: ignore[method-assign]
     if not getattr(render, "agentkv_wrapped", False):
         BaseRenderer.render_chat_async = _wrap_render_chat_async(render, tokens_input)  # type: ignore[method-assign]
     return True

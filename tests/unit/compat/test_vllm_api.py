@@ -9,6 +9,7 @@ cannot be reached the tests are skipped, saying so.
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import tomllib
@@ -79,6 +80,23 @@ def test_attributes_we_set_for_vllm_exist_in_every_release() -> None:
     for use in (u for u in USES if u.kind == "sets"):
         present = {v for v, tree in trees.items() if has_member(use, tree)}
         assert present in (set(), set(API_CHECKED)), f"{use}: only in vLLM {sorted(present)}"
+
+
+def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(source: tuple[str, Path]) -> None:
+    """`agentkv/server/_forwarded_ids.py` wraps two coroutine methods by position and keyword: the request and
+    messages first in `preprocess_chat`, the conversations first and `prompt_extras` by keyword in
+    `render_chat_async` (which `preprocess_chat` calls once, on `self.renderer`)."""
+    version, root = source
+    tree = Tree(root)
+    preprocess = tree.cls("vllm.renderers.online_renderer", "OnlineRenderer")
+    render = tree.cls("vllm.renderers.base", "BaseRenderer")
+    assert preprocess is not None and render is not None, version
+    pre, ren = preprocess.method("preprocess_chat"), render.method("render_chat_async")
+    assert isinstance(pre, ast.AsyncFunctionDef) and isinstance(ren, ast.AsyncFunctionDef), version
+    assert [a.arg for a in pre.args.args[:3]] == ["self", "request", "messages"], version
+    assert [a.arg for a in ren.args.args[:2]] == ["self", "conversations"], version
+    assert "prompt_extras" in [a.arg for a in ren.args.kwonlyargs], version
+    assert "renderer.render_chat_async(" in ast.unparse(pre), version
 
 
 def test_the_check_fails_on_a_real_break(source: tuple[str, Path]) -> None:
