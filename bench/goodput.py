@@ -266,6 +266,8 @@ class _Deployment:
                 cost_model=args.cost_model,
                 log_dir=log_dir,
                 extra_args=list(args.engine_arg or []),
+                prefill_args=list(args.prefill_engine_arg or []),
+                decode_args=list(args.decode_engine_arg or []),
                 env=env,
                 tokenizer_cache=args.tokenizer_cache if self.group == "reuse" else "off",
                 detokenizer_prime_tokens=args.detokenizer_prime_tokens if self.group == "reuse" else 0,
@@ -444,6 +446,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--lease-s", type=float, default=30.0)
     ap.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag for P and D (repeat)")
+    ap.add_argument(
+        "--prefill-engine-arg",
+        action="append",
+        help="extra vLLM flag for P only, after --engine-arg (repeat; vLLM takes a flag's last value)",
+    )
+    ap.add_argument("--decode-engine-arg", action="append", help="the same for D only")
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )

@@ -83,6 +83,10 @@ class ClusterConfig:
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     forwarded_ids: ForwardedIdsMode = "on"  # the same plugin: decode < 0.32 runs the router's forwarded ids
     extra_args: list[str] = field(default_factory=list)
+    # After extra_args, for one role only (vLLM takes a flag's last value): e.g. a decode that retains
+    # conversations gets more of a shared GPU's KV memory than its prefill.
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
     # NIXL's first handshakes (agentkv.server._warmup). A pair that cannot serve them fails the start.
@@ -151,7 +155,6 @@ class ClusterConfig:
             tokenizer_cache=self.tokenizer_cache,
             detokenizer_prime_tokens=self.detokenizer_prime_tokens,
             forwarded_ids=self.forwarded_ids,
-            extra_args=list(self.extra_args),
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},
         )
@@ -168,6 +171,7 @@ class ClusterConfig:
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.prefill_prefix_caching,
                         cpu_core=i % ncpu if pin else None,
+                        extra_args=[*self.extra_args, *self.prefill_args],
                         log_path=self.log_dir / f"prefill{i}.log",
                         **common,
                     ),
@@ -185,6 +189,7 @@ class ClusterConfig:
                         service_port=port + LEASE_PORT_OFFSET if self.agentkv_connector else None,
                         prefix_caching=self.decode_prefix_caching,
                         cpu_core=(self.n_prefill + i) % ncpu if pin else None,
+                        extra_args=[*self.extra_args, *self.decode_args],
                         log_path=self.log_dir / f"decode{i}.log",
                         **common,
                     ),

@@ -154,6 +154,18 @@ def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
     assert sorted(stopped) == sorted(e.name for e in cluster.engines)
 
 
+def test_role_args_follow_the_common_ones_for_their_role_only() -> None:
+    config = ClusterConfig(
+        model="/m",
+        device="gpu",
+        extra_args=["--kv-cache-memory-bytes", "1"],
+        decode_args=["--kv-cache-memory-bytes", "3"],
+    )
+    argv = {name: build_command(spec)[0] for name, spec in config.specs()}
+    assert argv["prefill0"][-2:] == ["--kv-cache-memory-bytes", "1"]
+    assert argv["decode0"][-4:] == ["--kv-cache-memory-bytes", "1", "--kv-cache-memory-bytes", "3"]
+
+
 def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch_it() -> None:
     """agentkv's vLLM plugin acts only on its environment variables: the launcher sets them per engine."""
     env = build_command(EngineSpec(role="decode", model="/m", port=1))[1]
