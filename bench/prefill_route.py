@@ -1,20 +1,32 @@
-"""The token path's prefill hop on its two routes: an id prompt on `/v1/completions` (what vLLM 0.26 needs)
-beside `/inference/v1/generate` with `detokenize: false` (what the router sends to vLLM >= 0.32).
+"""The token path's hops for one token of a cached prompt, on each vLLM route they can take: the prefill
+hop as an id prompt on `/v1/completions` (what vLLM 0.26 needs) or `/inference/v1/generate` with
+`detokenize: false` (what the router sends to vLLM >= 0.32), and the decode hop's shape, a chat request whose
+`kv_transfer_params` carry the prompt's ids (rendered by no one: vLLM 0.32+ or agentkv's plugin run them).
 
-    python -m bench.prefill_route [--lengths 8193,32769,65537] [--rounds 7]
+    python -m bench.prefill_route [--lengths 8193,32769,65537] [--rounds 7] [--spy DIR]
 
-One vLLM server (tiny model, prefix caching on, no P/D: the KV transfer is not what differs). Per length, one
-request computes the prompt; then both routes ask for one token of the same ids ``--rounds`` times each,
-alternating, so the engine computes only the last token each time. What is left to differ is the API
-server: an id prompt's first token goes through vLLM's incremental detokenizer, which it primes with the
-whole prompt (its first step decodes every prompt token); the generate route with `detokenize` off skips it.
+One vLLM server (tiny model, prefix caching on, agentkv's plugin as `agentkv serve` runs it, no P/D: the KV
+transfer is not what differs). Per length, one request computes the prompt; then each route asks for one
+token of the same ids ``--rounds`` times, alternating, so the engine computes only the last token each time.
+What is left is what vLLM does per request over the whole prompt outside the model: an id prompt's first
+token goes through vLLM's incremental detokenizer (primed with the prompt unless agentkv's tail is on), the
+chat request carries the conversation's text as well (as the router's decode hop does).
+
+``--spy DIR`` (needs `py-spy`): the rounds run route by route instead, each under `py-spy record
+--subprocesses`; the JSON then says per route where the busy samples of the API server and the engine core
+went (`bench.spy_summary`'s stages), and DIR keeps the raw profiles.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
+import shutil
+import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +43,33 @@ from bench._common import (
 )
 
 NAME = "prefill_route"
-# Label -> the router's `generate` choice: the bodies are the router's own (`agentkv._wire.token_prefill`),
-# with empty kv_transfer_params (one server, nothing to transfer).
-ROUTES = {"completions (id prompt)": False, "generate (detokenize off)": True}
+# Label -> the hop: the router's own bodies (`agentkv._wire`), with empty kv_transfer_params (one server,
+# nothing to transfer): its prefill hop on either route, its decode hop with the ids forwarded.
+ROUTES = {
+    "completions (id prompt)": "completions",
+    "generate (detokenize off)": "generate",
+    "chat (forwarded ids)": "chat",
+}
+_WORDS = ("the", "file", "lists", "tool", "result", "line", "error", "ok", "path", "value")
 
 
-def _timed(client: httpx.Client, ids: list[int], model: str, *, generate: bool) -> float:
-    from agentkv._wire import token_prefill
+def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, dict[str, Any]]:
+    from agentkv._wire import decode_local_body, token_prefill
 
-    path, body = token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=generate)
+    if route == "chat":
+        # The conversation's text rides along as it does on the router's decode hop; nothing renders it.
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": 1,
+            "temperature": 0,
+        }
+        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids)
+    return token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=route == "generate")
+
+
+def _timed(client: httpx.Client, route: str, ids: list[int], text: str, model: str) -> float:
+    path, body = _request(route, ids, text, model)
     t0 = time.perf_counter()
     r = client.post(path, json=body)
     ms = (time.perf_counter() - t0) * 1e3
@@ -54,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--port", type=int, default=25400)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/prefill_route)")
+    ap.add_argument("--spy", type=Path, default=None, help="profile each route's rounds with py-spy into DIR")
     args = ap.parse_args(argv)
     from agentkv.server._launcher import Engine, EngineSpec
     from agentkv.server._model import ensure_tiny_model
@@ -81,29 +112,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             name = model.name
             for n in lengths:
                 ids = [rng.randrange(100, vocab) for _ in range(n)]
+                text = " ".join(rng.choice(_WORDS) for _ in range(n))
                 with console.status(f"computing a {n:,}-token prompt once ..."):
-                    _timed(client, ids, name, generate=False)
+                    _timed(client, "completions", ids, text, name)
                 times: dict[str, list[float]] = {label: [] for label in ROUTES}
-                for _ in range(args.rounds):
-                    for label, generate in ROUTES.items():
-                        times[label].append(_timed(client, ids, name, generate=generate))
-                rows.append({"tokens": n, **{label: summarize(ms) for label, ms in times.items()}})
+                spy: dict[str, Any] = {}
+                if args.spy is None:
+                    for _ in range(args.rounds):
+                        for label, route in ROUTES.items():
+                            times[label].append(_timed(client, route, ids, text, name))
+                else:
+                    for label, route in ROUTES.items():
+                        raw = args.spy / f"{route}-{n}.txt"
+                        with _spied(engine.pid, raw):
+                            times[label] = [
+                                _timed(client, route, ids, text, name) for _ in range(args.rounds)
+                            ]
+                        spy[label] = _spy_stages(raw, args.rounds)
+                row = {"tokens": n, **{label: summarize(ms) for label, ms in times.items()}}
+                rows.append(row | ({"spy": spy} if spy else {}))
     finally:
         engine.stop()
     labels = list(ROUTES)
-    table = [
-        [r["tokens"], *(r[label]["p50"] for label in labels), r[labels[0]]["p50"] - r[labels[1]]["p50"]]
-        for r in rows
-    ]
-    print_table(
-        "prefill hop, one token of a cached prompt, median ms",
-        ["prompt tokens", *labels, "saved"],
-        table,
-    )
+    table = [[r["tokens"], *(r[label]["p50"] for label in labels)] for r in rows]
+    print_table("one token of a cached prompt, median ms", ["prompt tokens", *labels], table)
+    for r in rows:
+        for label, per_process in r.get("spy", {}).items():
+            for process, stages in per_process.items():
+                busy = ", ".join(f"{k} {v}" for k, v in stages.items())
+                console.print(f"{r['tokens']:>7} {label}, {process} (busy ms per request): {busy}")
     out = results_dir(NAME, args.out)
     line_chart(
         out / "prefill_route.png",
-        title="prefill hop for one token of a cached prompt (median)",
+        title="a token-path hop for one token of a cached prompt (median)",
         series={label: ([r["tokens"] for r in rows], [r[label]["p50"] for r in rows]) for label in labels},
         xlabel="prompt tokens",
         ylabel="ms",
@@ -111,6 +152,47 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     data: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     console.print(f"wrote {write_results(NAME, data, command_line(), out_dir=out)}")
     return data
+
+
+@contextlib.contextmanager
+def _spied(pid: int | None, raw: Path) -> Iterator[None]:
+    """py-spy on the server and its engine processes for the block's duration (raw samples at 200 Hz)."""
+    exe = shutil.which("py-spy")
+    if exe is None or pid is None:
+        raise SystemExit("--spy needs py-spy on PATH and a running server")
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    argv = [
+        exe,
+        "record",
+        "--nonblocking",
+        "--subprocesses",
+        "-r",
+        "200",
+        "-f",
+        "raw",
+        "-o",
+        str(raw),
+        "-p",
+        str(pid),
+    ]
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2)  # attached to every process before the first request
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(timeout=60)
+
+
+def _spy_stages(raw: Path, requests: int) -> dict[str, dict[str, float]]:
+    """Busy ms per request, per process (API server, engine core, worker) and stage."""
+    from bench.spy_summary import summarise_processes
+
+    ms_per_sample = 1e3 / 200
+    return {
+        process: {stage: round(n * ms_per_sample / requests, 1) for stage, n in stages.items()}
+        for process, stages in summarise_processes(raw).items()
+    }
 
 
 if __name__ == "__main__":

@@ -33,6 +33,18 @@ _IDLE = (
     "Runner.run (asyncio/runners.py",
     "run (uvloop",
 )
+# Also waits, in an engine's processes: the worker polling for its next step, the core's input thread.
+_WAITS = (
+    "acquire_read",
+    "SpinCondition.wait",
+    "memory_fence",
+    "ReadTimeoutWithWarnings",
+    "MessageQueue.dequeue",
+    "sched_yield",
+    "Queue.get (queue.py",
+    "_poll (",
+    "recv (",
+)
 # Stage of a busy sample: the first of these that any frame of its stack names.
 _STAGES = (
     # Loading modules, the model config and the tokenizer, and the app's lifespan: before any request.
@@ -47,6 +59,46 @@ _STAGES = (
     ("response JSON", ("JSONResponse.render", "json/encoder", "model_dump")),
     ("engine client", ("async_llm.py", "output_processor.py", "core_client.py", "msgspec")),
 )
+# The same for an engine core and its worker (`py-spy record --subprocesses`).
+_ENGINE_STAGES = (
+    ("model", ("execute_model", "sample_tokens")),
+    ("block hashes", ("request_block_hasher", "hash_block_tokens")),
+    ("agentkv connector", ("agentkv/server/_connector",)),
+    ("request intake", ("process_input_sockets", "preprocess_add_request", "MsgpackDecoder")),
+    ("scheduler", ("Scheduler.schedule", "Scheduler.update_from_output", "kv_cache_manager")),
+)
+_API_EXTRA = (
+    ("id validation", ("validate_token_ids", "_validate_model_input")),
+    ("agentkv plugin", ("agentkv/server/_forwarded_ids", "agentkv/server/_tokenizer_cache")),
+)
+
+
+def _process(frames: list[str]) -> tuple[str, list[str]]:
+    """The innermost process a `--subprocesses` sample names (API server, EngineCore, Worker) and the
+    sample's frames without the process names."""
+    names = [f for f in frames if f.startswith("process ")]
+    rest = [f for f in frames if not f.startswith("process ")]
+    if not names:
+        return "process", frames
+    last = names[-1]
+    kind = "engine core" if "EngineCore" in last else "worker" if "Worker" in last else "API server"
+    return kind, rest
+
+
+def summarise_processes(path: Path) -> dict[str, dict[str, int]]:
+    """Busy samples per process and stage of a `py-spy record --subprocesses` raw profile."""
+    out: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        process, frames = _process(stack.split(";"))
+        if not frames or any(idle in frames[-1] for idle in (*_IDLE, *_WAITS)):
+            continue
+        stages = _ENGINE_STAGES if process != "API server" else (*_API_EXTRA, *_STAGES)
+        stage = next((name for name, marks in stages if any(m in f for f in frames for m in marks)), "other")
+        out[process][stage] += int(count)
+    return {process: dict(c.most_common()) for process, c in out.items()}
 
 
 def summarise(path: Path) -> dict[str, Any]:
