@@ -12,6 +12,9 @@ CONVERSATION_ID_PATTERN = r"^[A-Za-z0-9._:\-]{1,128}$"
 
 # --- response headers the router adds (never internal block ids / hosts) ----------------------------
 H_REUSED_TOKENS = "x-agentkv-reused-tokens"
+# Of those, the tokens prefill read from decode (absent: a stock prefill, which does not say); the rest came
+# from prefill's own prefix cache.
+H_PULLED_TOKENS = "x-agentkv-pulled-tokens"
 H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none | local
 H_PATH = "x-agentkv-path"  # decode-local | pull | recompute | single
 H_LEASE_EXPIRES_IN = "x-agentkv-lease-expires-in"  # seconds, float
@@ -37,6 +40,9 @@ LEASE_PORT_OFFSET = 1000
 SIDE_CHANNEL_BASE_PORT = 5600
 # Key of the token fingerprints our connector adds to decode's kv_transfer_params (absent: a stock decode).
 FINGERPRINTS_KEY = "agentkv_block_hashes"
+# Prompt tokens our connector on prefill read from decode for a request, in the kv_transfer_params prefill
+# answers with (the router takes it off before the decode hop).
+PULLED_KEY = "agentkv_pulled_tokens"
 # Decode's retention service URL in the kv_transfer_params it offers (prefill's still-held check calls it).
 SERVICE_KEY = "agentkv_service"
 # Shared secret of decode's retention service: with it set, every call that reads, renews or releases a

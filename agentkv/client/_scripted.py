@@ -15,7 +15,14 @@ from typing import Any
 
 import httpx
 
-from agentkv._constants import H_CONVERSATION_ID, H_LEASE_EXPIRES_IN, H_PATH, H_REUSE, H_REUSED_TOKENS
+from agentkv._constants import (
+    H_CONVERSATION_ID,
+    H_LEASE_EXPIRES_IN,
+    H_PATH,
+    H_PULLED_TOKENS,
+    H_REUSE,
+    H_REUSED_TOKENS,
+)
 
 __all__ = ["ScriptedReply", "ScriptedRouter", "router_headers"]
 
@@ -27,8 +34,11 @@ def router_headers(
     path: str = "pull",
     lease_expires_in_s: float | None = None,
     conversation_id: str = "",
+    pulled_tokens: int | None = None,
 ) -> dict[str, str]:
     headers = {H_REUSE: reuse, H_REUSED_TOKENS: str(reused_tokens), H_PATH: path}
+    if pulled_tokens is not None:
+        headers[H_PULLED_TOKENS] = str(pulled_tokens)
     if lease_expires_in_s is not None:
         headers[H_LEASE_EXPIRES_IN] = str(lease_expires_in_s)
     if conversation_id:

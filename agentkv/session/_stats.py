@@ -9,7 +9,14 @@ from pydantic import BaseModel, ConfigDict
 from rich.console import Console
 from rich.table import Table
 
-from agentkv._constants import H_LEASE_EXPIRES_IN, H_PATH, H_PREFILL_MS, H_REUSE, H_REUSED_TOKENS
+from agentkv._constants import (
+    H_LEASE_EXPIRES_IN,
+    H_PATH,
+    H_PREFILL_MS,
+    H_PULLED_TOKENS,
+    H_REUSE,
+    H_REUSED_TOKENS,
+)
 
 __all__ = ["RouterHeaders", "TurnStats", "render_summary"]
 
@@ -25,6 +32,9 @@ class RouterHeaders(BaseModel):
 
     reuse: str | None = None
     reused_tokens: int | None = None
+    # Of reused_tokens, what prefill read from decode (the rest: prefill's own prefix cache); None when the
+    # prefill does not say (stock vLLM) or nothing was offered.
+    pulled_tokens: int | None = None
     path: str | None = None
     prefill_ms: float | None = None
     lease_expires_in_s: float | None = None
@@ -35,6 +45,7 @@ class RouterHeaders(BaseModel):
         return cls(
             reuse=headers.get(H_REUSE),
             reused_tokens=_int(headers.get(H_REUSED_TOKENS)),
+            pulled_tokens=_int(headers.get(H_PULLED_TOKENS)),
             path=headers.get(H_PATH),
             prefill_ms=_float(headers.get(H_PREFILL_MS)),
             lease_expires_in_s=_float(headers.get(H_LEASE_EXPIRES_IN)),
@@ -73,6 +84,7 @@ class TurnStats(BaseModel):
     completion_tokens: int | None
     reused: bool
     reused_tokens: int | None
+    pulled_tokens: int | None  # of reused_tokens, read from decode (None: the prefill does not say)
     reuse: str  # the x-agentkv-reuse header, "unknown" when the server sent none
     path: str | None
     prefill_ms: float | None
@@ -94,6 +106,7 @@ class TurnStats(BaseModel):
                 **fields,
                 "reused": reuse in _REUSED,
                 "reused_tokens": router.reused_tokens,
+                "pulled_tokens": router.pulled_tokens,
                 "reuse": reuse,
                 "path": router.path,
                 "prefill_ms": router.prefill_ms,

@@ -64,6 +64,9 @@ def test_prefill_pulls_only_what_its_own_prefix_cache_lacks(
     offered = after["tokens_offered"] - before["tokens_offered"]
     pulled = after["tokens_pulled"] - before["tokens_pulled"]
     assert offered >= CPU_BLOCK and pulled == offered % CPU_BLOCK > 0, (offered, pulled)
+    # The router says the same to the client: of the tokens not recomputed, these came from decode.
+    assert t2.headers["x-agentkv-pulled-tokens"] == str(pulled), t2.headers
+    assert int(t2.headers["x-agentkv-reused-tokens"]) > pulled  # the rest from prefill's own cache
     # vLLM's own count agrees: prefill's cache served the full blocks.
     assert metric(p.spec.url, "vllm:prefix_cache_hits_total") - hits0 >= offered - pulled
     ref = chat(off.url, h)

@@ -65,6 +65,8 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
         off = chat(router_off.url, history, conversation_id=new_id("tokens-off"))
         assert float(on.headers["x-agentkv-render-ms"]) > 0
         assert on.headers["x-agentkv-reuse"] == ("miss" if i == 0 else "hit"), on.headers
+        if i:  # this prefill caches nothing: every token not recomputed came from decode
+            assert on.headers["x-agentkv-pulled-tokens"] == on.headers["x-agentkv-reused-tokens"], on.headers
         assert_agrees_up_to_rounding(on, off)
         history.append({"role": "assistant", "content": on.text})
     # Every prefill hop of both routers took the ids on vLLM's tokens-in route (the render is the turn's

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Literal
 
-from agentkv._constants import FINGERPRINTS_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
+from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer
 from agentkv.server._connector._config import ConnectorSettings, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
@@ -92,6 +92,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
         self._awaiting: set[str] = set()  # KV loads in flight, either direction: never wait while one is
         self._last_step: tuple[float, int, float] | None = None
+        # Prefill: tokens each request in flight is reading from decode (reported when it finishes).
+        self._pulled: dict[str, int] = {}
         self._idle_sleep = 0.0
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
@@ -192,6 +194,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         params.update(cut_offer(params, allowed, self.block_size))
         self.stats["pulls" if pull else "recomputes"] += 1
         self.stats["tokens_pulled"] += max(0, allowed - num_computed)
+        self._pulled[request.request_id] = max(0, allowed - num_computed)
         self.stats["tokens_refused"] += offered - allowed
         logger.info(
             "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
@@ -219,6 +222,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
     # --- decode: lease instead of a fixed TTL -----------------------------------------------------------
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay, params = super().request_finished(request, block_ids)
+        pulled = self._pulled.pop(request.request_id, None)
+        if params is not None and not self.is_decode:
+            # The router's count of what came from decode (vLLM's cached_tokens adds prefill's cache hits).
+            params[PULLED_KEY] = pulled or 0
         if delay and params and params.get("do_remote_decode") and self.is_decode:
             n = int(params.get("remote_num_tokens") or 0)
             if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
@@ -269,6 +276,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self._awaiting.discard(rid)
         for rid in getattr(connector_output, "failed_recving", None) or ():  # vLLM >= 0.30
             self._awaiting.discard(rid)
+            if rid in self._pulled:
+                self._pulled[rid] = 0  # recomputed (kv_load_failure_policy "recompute")
         if self.leases is not None:
             for rid in connector_output.finished_sending or ():
                 self.leases.forget(rid)

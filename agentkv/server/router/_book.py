@@ -200,6 +200,8 @@ class TurnBook:
         m.reuse_by_result[turn.reuse].inc()
         if turn.reused_tokens:
             m.reused_tokens.inc(turn.reused_tokens)
+        if turn.pulled_tokens:
+            m.pulled_tokens.inc(turn.pulled_tokens)
         if turn.ttft_ms is not None:
             m.ttft_seconds.observe(turn.ttft_ms / 1000)
         if turn.decode_started:
@@ -228,7 +230,7 @@ class TurnBook:
     def log(self, turn: Turn) -> None:
         logger.info(
             "turn conversation_id=%s request_id=%s prefill=%s decode=%s path=%s reuse=%s reused_tokens=%d "
-            "prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s",
+            "pulled_tokens=%s prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s",
             turn.conversation_id or "-",
             turn.request_id,
             turn.prefill,
@@ -236,6 +238,7 @@ class TurnBook:
             turn.path,
             turn.reuse,
             turn.reused_tokens,
+            turn.pulled_tokens if turn.pulled_tokens is not None else "-",
             turn.prompt_tokens if turn.prompt_tokens is not None else "-",
             turn.prefill_ms,
             f"{turn.ttft_ms:.1f}" if turn.ttft_ms is not None else "-",

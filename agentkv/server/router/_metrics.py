@@ -36,6 +36,9 @@ class RouterMetrics:
         self.turns = Counter("agentkv_turns", "Turns served, by path", ["path"], registry=r)
         self.reuse = Counter("agentkv_reuse", "Reuse outcome per turn", ["result"], registry=r)
         self.reused_tokens = Counter("agentkv_reused_tokens", "Prompt tokens not recomputed", registry=r)
+        self.pulled_tokens = Counter(
+            "agentkv_pulled_tokens", "Of those, prompt tokens prefill read from decode", registry=r
+        )
         self.path_decisions = Counter(
             "agentkv_path_decisions", "Path chosen by the policy", ["path"], registry=r
         )

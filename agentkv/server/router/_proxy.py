@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from starlette.responses import Response
 
-from agentkv._constants import H_LEASE_EXPIRES_IN
+from agentkv._constants import H_LEASE_EXPIRES_IN, PULLED_KEY
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import (
     KV_KEY,
@@ -267,6 +267,9 @@ class TurnRunner:
                 # P does not say whether it pulled; count the attempt as a hit of what decode held.
                 turn.reused_tokens = reusable_tokens(retained, turn.prompt_tokens)
         kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
+        pulled = kv.pop(PULLED_KEY, None) if kv is not None else None
+        if retained is not None and isinstance(pulled, int) and not isinstance(pulled, bool):
+            turn.pulled_tokens = pulled
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
         ids = turn.prompt_ids if turn.forward_ids else None
         body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids, offer_decoded=not self._s.exact)

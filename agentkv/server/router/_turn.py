@@ -12,6 +12,7 @@ from agentkv._constants import (
     H_CONVERSATION_ID,
     H_PATH,
     H_PREFILL_MS,
+    H_PULLED_TOKENS,
     H_RENDER_MS,
     H_REUSE,
     H_REUSED_TOKENS,
@@ -44,6 +45,8 @@ class Turn:
     path: str = "recompute"
     reuse: str = "none"
     reused_tokens: int = 0
+    # Of those, what prefill read from decode, as our connector on prefill reports it (None: not reported).
+    pulled_tokens: int | None = None
     prompt_tokens: int | None = None
     prefill_ms: float = 0.0
     ttft_ms: float | None = None
@@ -87,6 +90,8 @@ class Turn:
         }
         if self.render_ms is not None:
             headers[H_RENDER_MS] = f"{self.render_ms:.1f}"
+        if self.pulled_tokens is not None:
+            headers[H_PULLED_TOKENS] = str(self.pulled_tokens)
         if self.conversation_id:
             headers[H_CONVERSATION_ID] = self.conversation_id
         return headers

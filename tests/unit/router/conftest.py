@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv._constants import LEASE_PORT_OFFSET
+from agentkv._constants import LEASE_PORT_OFFSET, PULLED_KEY
 from agentkv.server._launcher import free_port
 from agentkv.server.router import RouterSettings, create_app
 from bench._fake_vllm import Scripted, StubConfig, StubState
@@ -57,6 +57,7 @@ class FakeEngines:
         self.engine_id["d1.test"] = "D1-ENGINE"
         self.reply: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {"content": "sure, done."}
         self.p_cached_tokens: int | None = None  # what P reports as prompt_tokens_details.cached_tokens
+        self.p_pulled_tokens: int | None = None  # what our connector on P reports it read from decode
         self.d_generated_tokens = 3  # D holds prompt + this (a long answer may re-tokenize shorter)
         self.d_fingerprints = True  # D's params carry agentkv fingerprints (our connector); False: stock vLLM
         self.d_params_in_body = True  # vLLM returns kv_transfer_params on non-streaming answers
@@ -188,6 +189,8 @@ class FakeEngines:
         )
         if host.startswith("p"):
             completion.cached_tokens = self.p_cached_tokens
+            if self.p_pulled_tokens is not None and completion.kv_transfer_params is not None:
+                completion.kv_transfer_params[PULLED_KEY] = self.p_pulled_tokens
         elif self.d_generation is not None and completion.kv_transfer_params:
             # The same dict the retention service answers with: both carry the generation.
             completion.kv_transfer_params["remote_registration_generation"] = self.d_generation

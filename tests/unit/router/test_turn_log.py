@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from agentkv._constants import PULLED_KEY
+
 from .conftest import FakeEngines
 
 CHAT = "/v1/chat/completions"
@@ -21,6 +23,7 @@ FIELDS = [
     "path",
     "reuse",
     "reused_tokens",
+    "pulled_tokens",
     "prompt_tokens",
     "prefill_ms",
     "ttft_ms",
@@ -74,7 +77,8 @@ async def test_each_turn_logs_one_line_naming_backends_and_reuse(
     async with make_client() as client:
         first = await chat(client, USER1)
         assert len(turn_lines()) == 1  # written by the time the client has the answer
-        engines.p_cached_tokens = 7  # P reports what it pulled from decode
+        engines.p_cached_tokens = 7  # not recomputed: 5 read from decode, 2 from P's own prefix cache
+        engines.p_pulled_tokens = 5
         second = await chat(client, next_messages(USER1, first.json()))
     one, two = turn_lines()
 
@@ -94,6 +98,11 @@ async def test_each_turn_logs_one_line_naming_backends_and_reuse(
 
     assert (one["path"], one["reuse"], one["reused_tokens"]) == ("recompute", "miss", "0")
     assert (two["path"], two["reuse"], two["reused_tokens"]) == ("pull", "hit", "7")
+    assert (one["pulled_tokens"], two["pulled_tokens"]) == ("-", "5")  # nothing offered on the first turn
+    assert "x-agentkv-pulled-tokens" not in first.headers
+    assert second.headers["x-agentkv-pulled-tokens"] == "5"
+    # Taken off P's params: the decode hop carries only what vLLM and our decode connector read.
+    assert all(PULLED_KEY not in body["kv_transfer_params"] for body in engines.completions("d"))
     assert two["decode"] == one["decode"]  # sticky: the decode that holds the blocks
 
 

@@ -72,17 +72,20 @@ def test_finish_appends_both_sides_and_reads_router_headers() -> None:
     stats = core.finish(
         turn,
         ChatCompletionMessage(role="assistant", content="hello"),
-        headers=router_headers(reuse="hit", reused_tokens=96, path="pull", lease_expires_in_s=29.5),
+        headers=router_headers(
+            reuse="hit", reused_tokens=96, pulled_tokens=64, path="pull", lease_expires_in_s=29.5
+        ),
         usage=CompletionUsage(prompt_tokens=120, completion_tokens=3, total_tokens=123),
     )
     assert core.history[-2:] == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert (stats.reused, stats.reuse, stats.reused_tokens, stats.path) == (True, "hit", 96, "pull")
+    assert stats.pulled_tokens == 64  # the other 32 came from prefill's own prefix cache
     assert stats.total_s == 2.5 and stats.ttft_s is None and stats.since_previous_s is None
     assert stats.lease_expires_in_s == 29.5 and stats.prompt_tokens == 120
     now[0] = 20.0
     later = core.prepare("again", tools=None, stream=False, final=False, params={})
     second = core.finish(later, ChatCompletionMessage(role="assistant", content="x"), headers={}, usage=None)
-    assert second.since_previous_s == 7.5
+    assert second.since_previous_s == 7.5 and second.pulled_tokens is None
     assert (second.reused, second.reuse, second.path) == (False, "unknown", None)
 
 
