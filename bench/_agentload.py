@@ -41,6 +41,7 @@ __all__ = [
 
 _H_PATH = "x-agentkv-path"
 _H_REUSED_TOKENS = "x-agentkv-reused-tokens"
+_H_PULLED_TOKENS = "x-agentkv-pulled-tokens"
 # Router verdicts that mean the turn did not recompute what an earlier turn computed ("local": decode
 # prefilled only the suffix on top of its own retained KV).
 HIT_VERDICTS = frozenset({"hit", "local"})
@@ -158,6 +159,7 @@ class TurnRecord:
     reuse: str | None = None  # the router's verdict header; None from a plain server
     path: str | None = None
     reused_tokens: int | None = None
+    pulled_tokens: int | None = None  # of reused_tokens, read from decode (our connector on prefill says)
     error: str | None = None
     cut: bool = False  # still running when the step's drain time ran out
 
@@ -193,6 +195,8 @@ async def _stream(
         record.path = response.headers.get(_H_PATH)
         reused = response.headers.get(_H_REUSED_TOKENS)
         record.reused_tokens = int(reused) if reused and reused.isdigit() else None
+        pulled = response.headers.get(_H_PULLED_TOKENS)
+        record.pulled_tokens = int(pulled) if pulled and pulled.isdigit() else None
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -351,6 +355,7 @@ def summarize_step(run: StepRun, *, slo: SLO) -> dict[str, Any]:
     ]
     prompt = sum(r.prompt_tokens or 0 for r in eligible)
     cached = sum(r.cached_tokens or 0 for r in eligible)
+    pulled = [r.pulled_tokens for r in eligible if r.pulled_tokens is not None]
     slo_ok = (
         not errors
         and not cut
@@ -377,6 +382,8 @@ def summarize_step(run: StepRun, *, slo: SLO) -> dict[str, Any]:
         "hit_rate": round(len(hits) / len(eligible), 3) if eligible else None,
         "reuse_counts": dict(Counter(r.reuse or "no header" for r in eligible)),
         "cached_token_share": round(cached / prompt, 3) if prompt else None,
+        # Prompt tokens of eligible turns that prefill read from decode (None: no prefill reported any).
+        "pulled_token_share": round(sum(pulled) / prompt, 3) if prompt and pulled else None,
         "prompt_tokens_mean": round(sum(r.prompt_tokens or 0 for r in ok) / len(ok), 1) if ok else None,
         "peak_active_conversations": run.peak_active,
         "start_delay_ms_max": round(max(run.start_delays_s, default=0.0) * 1e3, 1),

@@ -110,6 +110,12 @@ def test_a_cut_or_failed_turn_fails_the_step_and_a_plain_server_hits_on_cached_t
     s = summarize_step(StepRun(records=records, wall_s=1.0, peak_active=1), slo=SLO())
     assert s["cut"] == 1 and s["slo_ok"] is False
     assert s["hit_rate"] == 1.0 and s["cached_token_share"] == 0.48
+    assert s["pulled_token_share"] is None  # no prefill said what it read from decode
+    pulled = [_rec(1, 0.1, prompt_tokens=200, reuse="hit", pulled_tokens=50), _rec(2, 0.1, prompt_tokens=200)]
+    assert (
+        summarize_step(StepRun(records=pulled, wall_s=1.0, peak_active=1), slo=SLO())["pulled_token_share"]
+        == 0.125
+    )
     failed = [_rec(0, 0.1), _rec(1, None, error="http 503")]
     assert summarize_step(StepRun(records=failed, wall_s=1.0, peak_active=1), slo=SLO())["errors"] == {
         "http 503": 1
