@@ -45,12 +45,14 @@ class _Invalid(ValueError):
 
 
 def has_non_text_content(messages: Any) -> bool:
-    """Whether a message has a content part other than text (a list content's part with a media key or a
-    non-text type); plain string contents are text."""
+    """Whether a message may hold more than text: a list content's part of another type or with other keys,
+    or a message that is not a plain dict (rendered rather than guessed at); string contents are text."""
     if not isinstance(messages, list):
         return False
     for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(message, dict):
+            return True
+        content = message.get("content")
         if not isinstance(content, list):
             continue
         for part in content:

@@ -49,6 +49,7 @@ def test_non_text_content_is_rendered_and_the_ids_dropped() -> None:
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:"}}]}]
     r = request([1, 2])
     assert has_non_text_content(image) and not has_non_text_content(TEXT)
+    assert has_non_text_content([SimpleNamespace(role="user", content="hi")])  # not a dict: rendered
     assert forwarded_ids(r, image, vocab_size=10) is None
     assert "prompt_token_ids" not in r.kv_transfer_params
 
