@@ -63,10 +63,11 @@ def test_four_turns_streamed_by_openai_sdk_reuse_decode_kv(
     script = conversation_script(11, 4)
     p_url = cluster.prefills[0].spec.url
 
-    def counters() -> tuple[float, float, float, float]:
+    def counters() -> tuple[float, float, float, float, float]:
         return (
             metric(router.url, "agentkv_reuse_total", result="hit"),
             metric(router.url, "agentkv_reused_tokens_total"),
+            metric(router.url, "agentkv_pulled_tokens_total"),
             float(service_info(ps)["stats"]["tokens_pulled"]),
             # vLLM's own count of prompt tokens prefill took over NIXL instead of computing.
             metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
@@ -74,14 +75,22 @@ def test_four_turns_streamed_by_openai_sdk_reuse_decode_kv(
 
     before = counters()
     on_ids, on_reuse = _sdk_conversation(router.url, new_id("sdk"), script)
-    hits, reused_router, pulled, external = (a - b for a, b in zip(counters(), before, strict=True))
+    hits, reused_router, pulled_router, pulled, external = (
+        a - b for a, b in zip(counters(), before, strict=True)
+    )
     off_ids, off_reuse = _sdk_conversation(router_off.url, new_id("sdk-off"), script)
     assert on_reuse == ["miss", "hit", "hit", "hit"], on_reuse
     assert hits == 3  # the router counted three reuses ...
     assert pulled > 0  # ... prefill's connector pulled decode's tokens ...
-    # ... and the three agree on how many: what the router reported (prefill's cached_tokens), what our
-    # connector pulled and what vLLM's prefill counted as external KV are one number.
-    assert reused_router == pulled == external, (reused_router, pulled, external)
+    # ... and they agree on how many: what the router reported (prefill's cached_tokens, and what our
+    # connector said it read from decode), what our connector pulled and what vLLM's prefill counted as
+    # external KV are one number (this prefill has no prefix cache of its own).
+    assert reused_router == pulled_router == pulled == external, (
+        reused_router,
+        pulled_router,
+        pulled,
+        external,
+    )
     assert all(r != "hit" for r in off_reuse)
     assert on_ids == off_ids and all(len(t) == 12 for t in on_ids)
 

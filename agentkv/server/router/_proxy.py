@@ -258,14 +258,19 @@ class TurnRunner:
         usage = answer.get("usage") if isinstance(answer.get("usage"), dict) else {}
         prompt_tokens = usage.get("prompt_tokens")
         turn.prompt_tokens = prompt_tokens if isinstance(prompt_tokens, int) else None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         if retained is not None:
-            details = usage.get("prompt_tokens_details")
-            cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(cached, int):
                 turn.reuse, turn.reused_tokens = ("hit", cached) if cached > 0 else ("declined", 0)
             else:
                 # P does not say whether it pulled; count the attempt as a hit of what decode held.
                 turn.reused_tokens = reusable_tokens(retained, turn.prompt_tokens)
+        elif isinstance(cached, int) and cached > 0:
+            # Nothing offered from decode, but prefill's own prefix cache held the start of the prompt (a
+            # conversation whose retention was declined or expired, a shared system prompt): not recomputed
+            # either. The verdict stays what the router decided about decode's KV.
+            turn.reused_tokens = cached
         kv = answer.get(KV_KEY) if isinstance(answer.get(KV_KEY), dict) else None
         pulled = kv.pop(PULLED_KEY, None) if kv is not None else None
         if retained is not None and isinstance(pulled, int) and not isinstance(pulled, bool):

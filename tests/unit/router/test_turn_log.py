@@ -106,6 +106,16 @@ async def test_each_turn_logs_one_line_naming_backends_and_reuse(
     assert two["decode"] == one["decode"]  # sticky: the decode that holds the blocks
 
 
+async def test_a_miss_counts_what_prefills_own_prefix_cache_held(engines: FakeEngines, make_client) -> None:
+    """No decode KV offered (a first turn here), but prefill's prefix cache held 40 prompt tokens (a shared
+    system prompt, a conversation whose retention was declined): not recomputed, still a miss."""
+    engines.p_cached_tokens = 40
+    async with make_client() as client:
+        r = await chat(client, USER1)
+    assert (r.headers["x-agentkv-reuse"], r.headers["x-agentkv-reused-tokens"]) == ("miss", "40")
+    assert "x-agentkv-pulled-tokens" not in r.headers  # nothing was offered from decode
+
+
 async def test_a_streamed_turn_logs_once_after_the_stream_with_its_ttft(
     engines: FakeEngines, make_client, turn_lines
 ) -> None:
