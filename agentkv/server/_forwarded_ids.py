@@ -140,30 +140,21 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
     return render_chat_async
 
 
-@functools.cache
-def _counter() -> Any:
-    try:
-        from prometheus_client import Counter
-
-        return Counter("agentkv_forwarded_ids_prompts", "Chat prompts run from the router's forwarded ids")
-    except Exception:  # metrics are a convenience; a name clash must not stop serving
-        logger.warning("forwarded ids: counter not registered", exc_info=True)
-        return None
-
-
 def _count() -> None:
-    if (counter := _counter()) is not None:
-        counter.inc()
+    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
+
+    if (counters := _counters()) is not None:
+        counters.forwarded_ids.inc()
 
 
 def _has_own() -> bool:
     """Whether this vLLM takes forwarded ids itself (0.32+), read from its source: the plugin runs in every
     vLLM process, and importing the renderer costs the engine core and workers a second of start-up."""
-    spec = importlib.util.find_spec("vllm.renderers.online_renderer")
-    origin = getattr(spec, "origin", None)
     try:
+        spec = importlib.util.find_spec("vllm.renderers.online_renderer")
+        origin = getattr(spec, "origin", None)
         return origin is not None and "_reused_prompt_token_ids" in Path(origin).read_text(encoding="utf-8")
-    except OSError:
+    except (ImportError, OSError):  # no such module (install() says so), or no source to read
         return False
 
 
@@ -181,7 +172,7 @@ def install(*, always: bool) -> bool:
         logger.warning("forwarded ids: this vLLM has no online renderer; decode renders the messages")
         return False
     if hasattr(online_renderer, "_reused_prompt_token_ids") and not always:
-        return False
+        return False  # vLLM's own, installed without its source
     # Both present in 0.26-0.34 (the API check reads each release's source).
     preprocess = online_renderer.OnlineRenderer.preprocess_chat
     render = BaseRenderer.render_chat_async

@@ -70,28 +70,28 @@ _ATTR = "_agentkv_tokenizer_cache"
 _build_lock = threading.Lock()
 
 
-def _mode() -> str | None:
-    mode = os.environ.get(ENV_MODE, "off").strip().lower()
-    if mode in ("", "0", "off", "false", "no"):
-        return None
-    if mode not in ("on", "1", "true", "yes", "verify"):
-        logger.warning("%s=%r is not off, on or verify: the tokenizer cache stays off", ENV_MODE, mode)
-        return None
-    return "verify" if mode == "verify" else "on"
-
-
-def forwarded_ids_mode() -> Literal["on", "always"] | None:
-    """`AGENTKV_FORWARDED_IDS` (a `ForwardedIdsMode`): None (unset, off, or not a mode: logged), "on" or
-    "always"."""
-    mode = os.environ.get(ENV_FORWARDED_IDS, "off").strip().lower()
+def _switch(env: str, other: str, *, unknown: str) -> str | None:
+    """A plugin switch from the environment: None (unset or off), "on", or its one `other` mode; anything
+    else is logged (`unknown` says what then happens) and counts as off."""
+    mode = os.environ.get(env, "off").strip().lower()
     if mode in ("", "0", "off", "false", "no"):
         return None
     if mode in ("on", "1", "true", "yes"):
         return "on"
-    if mode == "always":
-        return "always"
-    logger.warning("%s=%r is not off, on or always: decode renders the messages", ENV_FORWARDED_IDS, mode)
+    if mode == other:
+        return other
+    logger.warning("%s=%r is not off, on or %s: %s", env, mode, other, unknown)
     return None
+
+
+def _mode() -> str | None:
+    return _switch(ENV_MODE, "verify", unknown="the tokenizer cache stays off")
+
+
+def forwarded_ids_mode() -> str | None:
+    """`AGENTKV_FORWARDED_IDS` (a `ForwardedIdsMode`): None (unset, off, or not a mode: logged), "on" or
+    "always"."""
+    return _switch(ENV_FORWARDED_IDS, "always", unknown="decode renders the messages")
 
 
 class _Counters:
@@ -105,6 +105,10 @@ class _Counters:
         self.tail_primes = Counter(
             "agentkv_detokenizer_tail_primes", "Detokenizers primed with the prompt's tail, not all of it"
         )
+        self.forwarded_ids = Counter(
+            "agentkv_forwarded_ids_prompts",
+            "Chat prompts run from the router's forwarded ids (`_forwarded_ids`)",
+        )
 
     def __call__(self, result: str, reused: int, tokenized: int) -> None:
         self.prompts.labels(result=result).inc()
@@ -116,8 +120,8 @@ class _Counters:
 def _counters() -> _Counters | None:
     try:
         return _Counters()
-    except Exception:  # metrics are a convenience; a name clash must not stop tokenizing
-        logger.warning("tokenizer cache: counters not registered", exc_info=True)
+    except Exception:  # metrics are a convenience; a name clash must not stop serving
+        logger.warning("agentkv plugin: counters not registered", exc_info=True)
         return None
 
 

@@ -193,8 +193,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         # tokens, and a router may have trimmed the tokens only.
         params.update(cut_offer(params, allowed, self.block_size))
         self.stats["pulls" if pull else "recomputes"] += 1
-        self.stats["tokens_pulled"] += max(0, allowed - num_computed)
-        self._pulled[request.request_id] = max(0, allowed - num_computed)
+        pulled = self._pulled[request.request_id] = max(0, allowed - num_computed)
+        self.stats["tokens_pulled"] += pulled
         self.stats["tokens_refused"] += offered - allowed
         logger.info(
             "agentkv pull decision request=%s prompt=%d offered=%d verified=%d local_hit=%d pull=%s "
