@@ -4,10 +4,11 @@ by the benchmarks that start clusters."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
 
-__all__ = ["add_plugin_args", "add_prefill_cache_arg"]
+__all__ = ["add_plugin_args", "add_prefill_cache_arg", "plugin_fields"]
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
@@ -32,6 +33,18 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
         "rendering the messages again (vLLM 0.32+ does it itself, whatever this says)",
     )
+
+
+def plugin_fields(args: argparse.Namespace, *, reuse: bool) -> dict[str, Any]:
+    """The plugin's `ClusterConfig`/`EngineSpec` fields for a leg: the flags above in a reuse leg, vLLM as
+    shipped (every part off) in a stock one."""
+    if not reuse:
+        return {"tokenizer_cache": "off", "detokenizer_prime_tokens": 0, "forwarded_ids": "off"}
+    return {
+        "tokenizer_cache": args.tokenizer_cache,
+        "detokenizer_prime_tokens": args.detokenizer_prime_tokens,
+        "forwarded_ids": args.forwarded_ids,
+    }
 
 
 def add_prefill_cache_arg(ap: argparse.ArgumentParser) -> None:

@@ -54,7 +54,7 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, plugin_fields
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -234,9 +234,7 @@ class _Deployment:
                 # On CPU, the KV space of P and D together (each engine's default is 1 GiB); on GPU the
                 # memory flags come with --agg-engine-arg.
                 cpu_kvcache_gib=2,
-                tokenizer_cache="off",  # vLLM as a user would run it alone
-                detokenizer_prime_tokens=0,
-                forwarded_ids="off",
+                **plugin_fields(args, reuse=False),  # vLLM as a user would run it alone
                 extra_args=list(
                     args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []
                 ),
@@ -269,9 +267,7 @@ class _Deployment:
                 prefill_args=list(args.prefill_engine_arg or []),
                 decode_args=list(args.decode_engine_arg or []),
                 env=env,
-                tokenizer_cache=args.tokenizer_cache if self.group == "reuse" else "off",
-                detokenizer_prime_tokens=args.detokenizer_prime_tokens if self.group == "reuse" else 0,
-                forwarded_ids=args.forwarded_ids if self.group == "reuse" else "off",
+                **plugin_fields(args, reuse=self.group == "reuse"),
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )

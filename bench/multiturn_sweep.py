@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, plugin_fields
 
 NIXL = {
     "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
@@ -345,9 +345,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         extra_args=extra_args,
         env=dict(e.split("=", 1) for e in args.env or []),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
-        tokenizer_cache=args.tokenizer_cache if on else "off",
-        detokenizer_prime_tokens=args.detokenizer_prime_tokens if on else 0,
-        forwarded_ids=args.forwarded_ids if on else "off",
+        **plugin_fields(args, reuse=on),
         prefill_port=args.port_base + 100,
         decode_port=args.port_base + 200,
     )
@@ -387,9 +385,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         cpu_kvcache_gib=2,  # on CPU, the KV space of P and D together (1 GiB each)
         extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
         env=dict(e.split("=", 1) for e in args.env or []),
-        tokenizer_cache="off",  # vLLM as a user would run it alone
-        detokenizer_prime_tokens=0,
-        forwarded_ids="off",
+        **plugin_fields(args, reuse=False),  # vLLM as a user would run it alone
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
     engine = Engine(spec=spec, name="single")
