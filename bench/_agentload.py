@@ -317,7 +317,10 @@ async def run_step(
         tasks = [asyncio.create_task(conversation(client, plan)) for plan in plans]
         last_arrival = max((p.arrival_s for p in plans), default=0.0)
         deadline = last_arrival + drain_s
-        _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - (time.perf_counter() - t0)))
+        # A low rate over a short window may draw no arrival at all: an empty step, not an error.
+        pending: set[asyncio.Task[None]] = set()
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - (time.perf_counter() - t0)))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
@@ -394,10 +397,13 @@ def knee(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The leg's knee: its highest offered rate whose step met the SLO, and the goodput there.
 
     A leg none of whose steps met the SLO has no knee (goodput 0): its lowest rate was already past it.
-    ``reached`` is False when the highest rate that ran still met the SLO."""
+    ``reached`` is False when the highest rate that ran still met the SLO. A step that drew no arrival says
+    nothing either way and is left out."""
+    steps = [s for s in steps if s.get("summary", {}).get("turns") != 0]
     met = [s for s in steps if s.get("summary", {}).get("slo_ok")]
     if not met:
-        return {"rate": None, "goodput_turns_s": 0.0, "hit_rate": None, "reached": True}
+        ran = any("summary" in s for s in steps)
+        return {"rate": None, "goodput_turns_s": 0.0, "hit_rate": None, "reached": ran}
     best = max(met, key=lambda s: s["rate"])
     # Only a higher rate that missed the SLO shows the knee is here; otherwise the leg's goodput is only a
     # lower bound (the sweep stopped below the knee).

@@ -133,6 +133,10 @@ def test_knee_is_the_highest_rate_that_met_the_slo() -> None:
         "reached": True,
     }
     assert knee([step(0.5, False, 1.0), {"rate": 1, "skipped": "budget"}])["goodput_turns_s"] == 0.0
+    # A step that drew no arrival (its summary counts 0 turns, so it "missed" the SLO) is no evidence.
+    empty = {"rate": 2, "summary": {"slo_ok": False, "turns": 0, "goodput_turns_s": 0.0, "hit_rate": None}}
+    assert knee([step(0.5, True, 2.0), empty])["reached"] is False
+    assert knee([empty])["reached"] is False and knee([empty])["rate"] is None
     # Every rate that ran met the SLO: the knee lies beyond the sweep.
     assert (
         knee([step(0.5, True, 2.0), step(1, True, 3.9), {"rate": 2, "skipped": "budget"}])["reached"] is False
@@ -260,6 +264,12 @@ async def test_run_step_drives_turns_heartbeats_and_closes_conversations() -> No
     assert {r.reuse for r in run.records if r.turn > 0} == {"hit"}
     assert sum(1 for m, p in seen if m == "DELETE") == len(plans)
     assert any(p.endswith("/heartbeat") for _, p in seen)
+
+
+async def test_a_step_without_arrivals_is_empty_not_an_error() -> None:
+    run = await _drive([], httpx.MockTransport(lambda r: httpx.Response(500)), router=True, drain_s=1)
+    assert run.records == [] and run.peak_active == 0
+    assert summarize_step(run, slo=SLO())["turns"] == 0
 
 
 async def test_run_step_cuts_what_is_still_running_at_the_drain_deadline() -> None:
