@@ -65,7 +65,9 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
         return ids, pulled
 
     hits0 = metric(p, "vllm:external_prefix_cache_hits_total")
+    p0, d0 = service_info(ps)["stats"], service_info(ds)["stats"]
     on_ids, on_pulled = run(reuse=True)
+    p1, d1 = service_info(ps)["stats"], service_info(ds)["stats"]
     hits1 = metric(p, "vllm:external_prefix_cache_hits_total")
     off_ids, off_pulled = run(reuse=False)
     assert on_pulled[0] == 0 and on_pulled[1] > 0 and on_pulled[2] > 0, on_pulled
@@ -74,6 +76,19 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
         hits1 - hits0 >= on_pulled[1] + on_pulled[2] - 2
     )  # prefill's own metric agrees (minus the last token)
     assert on_ids == off_ids
+    # Prefill found the previous turn's fingerprint chain through vLLM's block hashes and hashed only the
+    # blocks the turn added (the answers above equal the recompute's with those chains). Decode's turns are
+    # salted (exact): vLLM's hashes of the same tokens differ, so it never starts from another turn's chain.
+    reused = {
+        side: a["fingerprint_blocks_reused"] - b["fingerprint_blocks_reused"]
+        for side, a, b in (("p", p1, p0), ("d", d1, d0))
+    }
+    hashed = {
+        side: a["fingerprint_blocks_hashed"] - b["fingerprint_blocks_hashed"]
+        for side, a, b in (("p", p1, p0), ("d", d1, d0))
+    }
+    assert reused["p"] > 0 and hashed["p"] > 0, (reused, hashed)
+    assert reused["d"] == 0 and hashed["d"] > 0, (reused, hashed)
 
 
 def _late_turn_with_stale_params(

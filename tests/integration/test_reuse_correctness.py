@@ -101,6 +101,13 @@ def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
     report(f"path choice (not exact): {paths}, token ids equal to OFF: {same}")
 
 
+def _chain_share(before: dict[str, int], after: dict[str, int]) -> str:
+    """Blocks fingerprinted from an earlier turn's chain, of all blocks fingerprinted, between two stats."""
+    reused = after["fingerprint_blocks_reused"] - before["fingerprint_blocks_reused"]
+    hashed = after["fingerprint_blocks_hashed"] - before["fingerprint_blocks_hashed"]
+    return f"{reused}/{reused + hashed}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_default_mode_reuses_only_the_same_tokens(
     case: Callable[..., None],
@@ -112,13 +119,13 @@ def test_default_mode_reuses_only_the_same_tokens(
     """Each turn's first-token logprob equals the exact recompute's up to bf16 rounding, as long as the two
     runs saw the same history (a flipped greedy token makes the histories differ from there on); every
     edited history is caught by the connector; reuse happens (how many tokens were pulled is reported)."""
-    ps = cluster.prefills[0].spec.service_url
-    assert ps
+    ps, ds = cluster.prefills[0].spec.service_url, cluster.decodes[0].spec.service_url
+    assert ps and ds
     script = conversation_script(100 + CASES.index(case), 3)
     off, _ = run_case(case, router_off.url, script)
-    before = service_info(ps)["stats"]
+    before, d_before = service_info(ps)["stats"], service_info(ds)["stats"]
     on, reuse = run_case(case, router_default_unguarded.url, script)
-    after = service_info(ps)["stats"]
+    after, d_after = service_info(ps)["stats"], service_info(ds)["stats"]
     compared = 0
     for (_, on_ids, on_lp, _), (_, off_ids, off_lp, _) in zip(on, off, strict=True):
         assert abs(on_lp[0] - off_lp[0]) < 0.05, (case.__name__, compared, on_lp[:3], off_lp[:3])
@@ -128,8 +135,14 @@ def test_default_mode_reuses_only_the_same_tokens(
     assert "hit" in reuse
     if case.__name__ in DIVERGING:
         assert after["refused_mismatch"] > before["refused_mismatch"]
+    else:
+        # Unsalted decode turns of one conversation: decode's connector starts each turn's fingerprints from
+        # the chain the previous turn left (found through vLLM's block hashes), as prefill's does.
+        assert d_after["fingerprint_blocks_reused"] > d_before["fingerprint_blocks_reused"]
     same = sum(a[1] == b[1] for a, b in zip(on, off, strict=True))
+    cached = {"P": _chain_share(before, after), "D": _chain_share(d_before, d_after)}
     report(
         f"default mode {case.__name__}: {reuse}, pulled {after['tokens_pulled'] - before['tokens_pulled']} "
-        f"tokens, first logprob compared on {compared} turns, token ids equal on {same}/{len(on)}"
+        f"tokens, first logprob compared on {compared} turns, token ids equal on {same}/{len(on)}, "
+        f"fingerprint blocks from earlier chains {cached}"
     )

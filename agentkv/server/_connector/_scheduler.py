@@ -21,7 +21,8 @@ from agentkv._wire import RETAIN_KEY, cut_offer
 from agentkv.server._connector._config import ConnectorSettings, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
-    block_fingerprints,
+    ChainCache,
+    parse_chain,
     prefill_computed_tokens,
     tail_fingerprint,
     verified_tokens,
@@ -94,6 +95,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self._last_step: tuple[float, int, float] | None = None
         # Prefill: tokens each request in flight is reading from decode (reported when it finishes).
         self._pulled: dict[str, int] = {}
+        # Fingerprint chains of earlier turns, so a turn hashes only its new blocks (both roles).
+        self._chains = ChainCache()
         self._idle_sleep = 0.0
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
@@ -174,7 +177,13 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                     self.stats["refused_unverified"] += 1
             else:
                 prompt = request.prompt_token_ids or []
-                verified = verified_tokens(prompt, self.block_size, offered, theirs, params.get(TAIL))
+                chain = parse_chain(theirs)
+                verified = 0
+                if chain is not None:
+                    ours = self._chain(request, prompt, offered)
+                    verified = verified_tokens(
+                        prompt, self.block_size, offered, chain, params.get(TAIL), ours=ours
+                    )
                 if verified < offered:
                     refused = "mismatch"
                     self.stats["tokens_trimmed"] += offered - verified
@@ -209,6 +218,23 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             refused or "-",
         )
 
+    def _chain(self, request: Request, token_ids: Any, num_tokens: int) -> bytes:
+        """Our chain of the full blocks among a request's first ``num_tokens`` tokens, starting from the
+        longest chain an earlier turn left that vLLM's block hashes of this request name."""
+        keys: Any = getattr(request, "block_hashes", None)
+        # vLLM hashes at its hash block size: usable only where that is ours (one KV cache group, no DCP),
+        # which the count of hashes over the request's tokens shows.
+        n = request.num_tokens
+        if keys is None or len(token_ids) != n or len(keys) != n // self.block_size:
+            keys = None
+        cache = self._chains
+        hashed, reused = cache.hashed_blocks, cache.reused_blocks
+        num_blocks = min(num_tokens, len(token_ids)) // self.block_size
+        chain = cache.chain(token_ids, self.block_size, num_blocks, keys)
+        self.stats["fingerprint_blocks_hashed"] += cache.hashed_blocks - hashed
+        self.stats["fingerprint_blocks_reused"] += cache.reused_blocks - reused
+        return chain
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -231,9 +257,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
                 n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
                 params.update(cut_offer(params, n, self.block_size))
-            chain = block_fingerprints(request.all_token_ids, self.block_size, limit_tokens=n)
-            params[FINGERPRINTS_KEY] = chain
-            params[TAIL] = tail_fingerprint(request.all_token_ids, self.block_size, n, chain=chain)
+            ids = request.all_token_ids
+            chain = self._chain(request, ids, n)
+            params[FINGERPRINTS_KEY] = chain.hex()
+            params[TAIL] = tail_fingerprint(ids, self.block_size, n, chain=chain)
             retained = True
             if self.leases is not None:
                 svc = self.service

@@ -39,6 +39,8 @@ COUNTERS = {
     "refused_released": "offers whose lease was released or expired before the read (or decode was silent)",
     "retained": "finished requests whose blocks decode retained",
     "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
+    "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
+    "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
 }
 
 

@@ -1,9 +1,15 @@
+import hashlib
+
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv.server._connector._hashing import (
+    DIGEST,
+    ChainCache,
     block_fingerprints,
+    chain_digests,
     matching_prefix_blocks,
+    parse_chain,
     prefill_computed_tokens,
     tail_fingerprint,
     verified_tokens,
@@ -12,20 +18,51 @@ from agentkv.server._connector._hashing import (
 BS = 4
 
 
+def _blocks(chain: bytes) -> list[bytes]:
+    return [chain[i : i + DIGEST] for i in range(0, len(chain), DIGEST)]
+
+
+def vllm_like_keys(ids: list[int], block_size: int = BS) -> list[bytes]:
+    """A stand-in for vLLM's ``Request.block_hashes``: a hash per full block, chained over the prefix."""
+    keys: list[bytes] = []
+    prev = b"seed"
+    for start in range(0, len(ids) - block_size + 1, block_size):
+        prev = hashlib.sha256(prev + repr(ids[start : start + block_size]).encode()).digest()
+        keys.append(prev)
+    return keys
+
+
 def test_fingerprints_cover_full_blocks_only_and_chain() -> None:
     ids = list(range(10))
     fp = block_fingerprints(ids, BS)
-    assert len(fp) == 2
+    assert len(fp) == 2 * DIGEST
     # Chained: the same block content after a different prefix fingerprints differently.
     other = [99, *ids[1:]]
-    assert block_fingerprints(other, BS)[1] != fp[1]
-    assert block_fingerprints(ids, BS, limit_tokens=7) == fp[:1]
+    assert _blocks(block_fingerprints(other, BS))[1] != _blocks(fp)[1]
+    assert block_fingerprints(ids, BS, limit_tokens=7) == fp[:DIGEST]
 
 
 def test_matching_prefix_stops_at_first_difference() -> None:
-    assert matching_prefix_blocks(["a", "b", "c"], ["a", "b", "x"]) == 2
-    assert matching_prefix_blocks(["a"], ["x", "a"]) == 0
-    assert matching_prefix_blocks([], ["a"]) == 0
+    a, b, c, x = (bytes([i]) * DIGEST for i in range(4))
+    assert matching_prefix_blocks(a + b + c, a + b + x) == 2
+    assert matching_prefix_blocks(a, x + a) == 0
+    assert matching_prefix_blocks(b"", a) == 0
+    assert matching_prefix_blocks(a + b, a + b + c) == 2
+
+
+@given(st.integers(0, 30), st.integers(0, 30), st.integers(0, 30))
+def test_matching_prefix_finds_the_first_difference(common: int, ours_extra: int, theirs_extra: int) -> None:
+    ours = b"".join(bytes([i % 251]) * DIGEST for i in range(common + ours_extra))
+    theirs = b"".join(bytes([i % 251]) * DIGEST for i in range(common)) + b"\xff" * DIGEST * theirs_extra
+    assert matching_prefix_blocks(ours, theirs) == common
+
+
+def test_wire_form_is_one_hex_string_and_the_per_block_list_is_read_too() -> None:
+    chain = block_fingerprints(list(range(12)), BS)
+    assert parse_chain(chain.hex()) == chain
+    assert parse_chain([block.hex() for block in _blocks(chain)]) == chain
+    for bad in ("xyz", chain.hex()[:-2], ["ab"], [1, 2], 7, None):
+        assert parse_chain(bad) is None
 
 
 def test_verified_tokens_full_blocks_and_tail() -> None:
@@ -35,12 +72,14 @@ def test_verified_tokens_full_blocks_and_tail() -> None:
     assert tail is not None and tail[0] == 11
     prompt = [*decode_seq, 50, 51, 52]  # the new turn extends decode's sequence exactly
     assert verified_tokens(prompt, BS, 11, theirs, tail) == 11
+    assert verified_tokens(prompt, BS, 11, theirs, tail, ours=block_fingerprints(prompt, BS)) == 11
     edited = decode_seq.copy()
     edited[9] = -1  # a change inside the tail: only the full blocks are provably equal
     assert verified_tokens([*edited, 50], BS, 11, theirs, tail) == 8
     early = decode_seq.copy()
     early[1] = -1  # a change in the first block: nothing may be reused
     assert verified_tokens([*early, 50], BS, 11, theirs, tail) == 0
+    assert verified_tokens(prompt, BS, 11, theirs, ["11", tail[1]]) == 8  # a tail must name an int
 
 
 def test_tail_absent_on_block_boundary_or_short_sequence() -> None:
@@ -63,3 +102,53 @@ def test_tail_from_a_given_chain_equals_the_tail_computed_alone(ids: list[int], 
     alone = tail_fingerprint(ids, BS, n)
     assert tail_fingerprint(ids, BS, n, chain=block_fingerprints(ids, BS, limit_tokens=n + extra)) == alone
     assert tail_fingerprint(ids, BS, n, chain=block_fingerprints(ids, BS, limit_tokens=n - BS)) == alone
+
+
+def test_chain_digests_resume_where_a_chain_stopped() -> None:
+    ids = list(range(40))
+    whole = chain_digests(ids, BS, 10)
+    rest = chain_digests(ids, BS, 10, start=4, prev=whole[3 * DIGEST : 4 * DIGEST])
+    assert whole[: 4 * DIGEST] + rest == whole
+
+
+def test_cache_hashes_only_the_blocks_a_turn_added() -> None:
+    cache = ChainCache()
+    turn1 = list(range(100))  # 25 blocks
+    assert cache.chain(turn1, BS, 25, vllm_like_keys(turn1)) == block_fingerprints(turn1, BS)
+    assert (cache.hashed_blocks, cache.reused_blocks) == (25, 0)
+    turn2 = [*turn1, *range(500, 510)]  # 27 full blocks
+    assert cache.chain(turn2, BS, 27, vllm_like_keys(turn2)) == block_fingerprints(turn2, BS)
+    assert (cache.hashed_blocks, cache.reused_blocks) == (27, 25)
+    # No keys (vLLM hashes at another granularity): the whole chain, right all the same.
+    assert cache.chain(turn2, BS, 27, None) == block_fingerprints(turn2, BS)
+    assert cache.hashed_blocks == 54
+
+
+def test_cache_is_bounded_least_recently_used_first() -> None:
+    cache = ChainCache(max_bytes=3 * 10 * DIGEST)
+    convs = [[c * 1000 + i for i in range(40)] for c in range(4)]  # 10 blocks each
+    for ids in convs[:3]:
+        cache.chain(ids, BS, 10, vllm_like_keys(ids))
+    cache.chain(convs[0], BS, 10, vllm_like_keys(convs[0]))  # touched: now the most recent
+    cache.chain(convs[3], BS, 10, vllm_like_keys(convs[3]))  # evicts conversation 1
+    assert len(cache) == 3
+    before = cache.hashed_blocks
+    cache.chain(convs[1], BS, 10, vllm_like_keys(convs[1]))
+    assert cache.hashed_blocks == before + 10
+    cache.chain(convs[0], BS, 10, vllm_like_keys(convs[0]))
+    assert cache.hashed_blocks == before + 10
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=12), min_size=1, max_size=6),
+    st.lists(st.integers(0, 12), min_size=6, max_size=6),
+)
+def test_cached_chains_equal_a_full_hash_for_any_history(turns: list[list[int]], cuts: list[int]) -> None:
+    """Conversations that grow, get cut back (an edit or a regenerate) and grow again: every chain the cache
+    gives equals hashing the whole prefix, whichever earlier chain it started from."""
+    cache = ChainCache()
+    ids: list[int] = []
+    for added, cut in zip(turns, cuts, strict=False):
+        ids = ids[: max(0, len(ids) - cut)] + added
+        blocks = len(ids) // BS
+        assert cache.chain(ids, BS, blocks, vllm_like_keys(ids)) == block_fingerprints(ids, BS)
