@@ -412,8 +412,9 @@ def _tool_call(tool: dict[str, Any], external_id: str) -> dict[str, Any]:
     }
 
 
-def _block_hashes(text: str, num_tokens: int, *, block_size: int, chars_per_token: int) -> list[str]:
-    # Chained like vLLM's prefix-cache hashes: equal prefixes give equal hashes, one per full block.
+def _block_hashes(text: str, num_tokens: int, *, block_size: int, chars_per_token: int) -> str:
+    # Chained like our connector's fingerprints: equal prefixes give equal hashes, one per full block, sent as
+    # one hex string.
     hashes: list[str] = []
     previous = b""
     chars_per_block = block_size * chars_per_token
@@ -422,4 +423,4 @@ def _block_hashes(text: str, num_tokens: int, *, block_size: int, chars_per_toke
         chunk = text[index * chars_per_block : (index + 1) * chars_per_block].encode()
         previous = hashlib.blake2b(previous + chunk, digest_size=16).digest()
         hashes.append(previous.hex())
-    return hashes
+    return "".join(hashes)
