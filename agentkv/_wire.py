@@ -8,6 +8,10 @@ server import: the router and the SDK's tests run without the engine installed.
 
 from __future__ import annotations
 
+import binascii
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -16,6 +20,7 @@ __all__ = [
     "KV_KEY",
     "MESSAGES_PATH",
     "OFFER_DECODED_KEY",
+    "PACKED_IDS_KEY",
     "PROMPT_IDS_KEY",
     "RESPONSES_PATH",
     "RETAIN_KEY",
@@ -23,18 +28,23 @@ __all__ = [
     "cut_offer",
     "decode_body",
     "decode_local_body",
+    "pack_ids",
     "prefill_body",
     "prefill_params",
     "render_path",
     "rendered_request",
     "reusable_tokens",
     "token_prefill",
+    "unpack_ids",
     "with_prompt_ids",
 ]
 
 KV_KEY = "kv_transfer_params"
 # Forwarded to decode so it skips rendering and tokenizing (vLLM >= 0.32, `_reused_prompt_token_ids`).
 PROMPT_IDS_KEY = "prompt_token_ids"
+# The same ids packed for a decode whose agentkv plugin reads them (`pack_ids`): one JSON string where the
+# list is ~130k numbers, whose parsing is most of a long decode hop's request JSON in vLLM's API server.
+PACKED_IDS_KEY = "agentkv_prompt_ids"
 # Asks our connector on decode to retain a request's blocks when it finishes (a decode-local turn, or a decode
 # hop without prefill's params).
 RETAIN_KEY = "agentkv_retain"
@@ -106,6 +116,7 @@ def decode_body(
     *,
     cache_salt: str | None = None,
     prompt_ids: list[int] | None = None,
+    pack: bool = False,
     offer_decoded: bool | None = None,
 ) -> dict[str, Any]:
     out = dict(body)
@@ -115,34 +126,79 @@ def decode_body(
         out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
     base = dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}
-    out[KV_KEY] = _decode_params(base, prompt_ids=prompt_ids, offer_decoded=offer_decoded)
+    out[KV_KEY] = _decode_params(base, prompt_ids=prompt_ids, pack=pack, offer_decoded=offer_decoded)
     return out
 
 
 def decode_local_body(
-    body: dict[str, Any], *, prompt_ids: list[int] | None = None, offer_decoded: bool | None = None
+    body: dict[str, Any],
+    *,
+    prompt_ids: list[int] | None = None,
+    pack: bool = False,
+    offer_decoded: bool | None = None,
 ) -> dict[str, Any]:
     # A non-empty params dict makes a bidirectional decode retain its blocks when the request finishes.
-    params = _decode_params({RETAIN_KEY: True}, prompt_ids=prompt_ids, offer_decoded=offer_decoded)
+    params = _decode_params({RETAIN_KEY: True}, prompt_ids=prompt_ids, pack=pack, offer_decoded=offer_decoded)
     return {**body, KV_KEY: params}
 
 
 def _decode_params(
-    params: dict[str, Any], *, prompt_ids: list[int] | None, offer_decoded: bool | None
+    params: dict[str, Any], *, prompt_ids: list[int] | None, pack: bool, offer_decoded: bool | None
 ) -> dict[str, Any]:
     """What every decode hop adds to its params: the forwarded ids and whether to offer decoded KV."""
-    params = with_prompt_ids(params, prompt_ids)
+    params = with_prompt_ids(params, prompt_ids, pack=pack)
     if offer_decoded is not None:
         params[OFFER_DECODED_KEY] = offer_decoded
     return params
 
 
-def with_prompt_ids(params: dict[str, Any], prompt_ids: list[int] | None) -> dict[str, Any]:
-    """Forward the prompt's ids so decode skips rendering and tokenizing (vLLM >= 0.32). Only ever ids that
-    prefill rendered for this same body: vLLM does not check them against the messages."""
-    if prompt_ids is not None:
+def with_prompt_ids(
+    params: dict[str, Any], prompt_ids: list[int] | None, *, pack: bool = False
+) -> dict[str, Any]:
+    """Forward the prompt's ids so decode skips rendering and tokenizing (vLLM >= 0.32, or agentkv's plugin).
+    Only ever ids that prefill rendered for this same body: vLLM does not check them against the messages.
+    `pack`: decode's agentkv plugin reads the packed form (a decode that reads neither form renders the
+    messages, which the body still carries)."""
+    if prompt_ids is None:
+        return params
+    packed = pack_ids(prompt_ids) if pack else None
+    if packed is not None:
+        params[PACKED_IDS_KEY] = packed
+    else:
         params[PROMPT_IDS_KEY] = prompt_ids
     return params
+
+
+def pack_ids(ids: Sequence[int]) -> str | None:
+    """Token ids as base64 of little-endian uint32s; None for an id outside 0 .. 2**32 - 1 (no vocabulary
+    has one: the caller sends the plain list then)."""
+    try:
+        packed = array("I", ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return binascii.b2a_base64(packed.tobytes(), newline=False).decode("ascii")
+
+
+def unpack_ids(packed: object) -> list[int]:
+    """The ids `pack_ids` packed. Raises ValueError unless `packed` is base64 of one or more uint32s."""
+    if not isinstance(packed, str):
+        raise ValueError("packed ids must be a string")
+    try:
+        raw = binascii.a2b_base64(packed, strict_mode=True)
+    except binascii.Error as exc:
+        raise ValueError(f"packed ids are not base64: {exc}") from None
+    if not raw or len(raw) % 4:
+        raise ValueError("packed ids must hold one or more 4-byte ids")
+    ids = array("I")
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
+
+
+assert array("I").itemsize == 4, "pack_ids needs a 4-byte unsigned int"
 
 
 def reusable_tokens(retained: dict[str, Any], prompt_tokens: int | None) -> int:

@@ -358,7 +358,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
 
 def plugin_counts(url: str) -> dict[str, float]:
     """An engine's counters of agentkv's vLLM plugin ({} without it), keyed like
-    `tokenizer_cache_prompts{result="hit"}` or `forwarded_ids_prompts`."""
+    `tokenizer_cache_prompts{result="hit"}` or `forwarded_ids_prompts{form="packed"}`."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:

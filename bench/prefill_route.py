@@ -1,7 +1,8 @@
 """The token path's hops for one token of a cached prompt, on each vLLM route they can take: the prefill
 hop as an id prompt on `/v1/completions` (what vLLM 0.26 needs) or `/inference/v1/generate` with
 `detokenize: false` (what the router sends to vLLM >= 0.32), and the decode hop's shape, a chat request whose
-`kv_transfer_params` carry the prompt's ids (rendered by no one: vLLM 0.32+ or agentkv's plugin run them).
+`kv_transfer_params` carry the prompt's ids (rendered by no one: vLLM 0.32+ or agentkv's plugin run them), as
+a list or packed (`agentkv._wire.pack_ids`, what the router sends where agentkv's plugin reads them).
 
     python -m bench.prefill_route [--lengths 8193,32769,65537] [--rounds 7] [--spy DIR]
 
@@ -49,6 +50,7 @@ ROUTES = {
     "completions (id prompt)": "completions",
     "generate (detokenize off)": "generate",
     "chat (forwarded ids)": "chat",
+    "chat (packed ids)": "chat-packed",
 }
 _WORDS = ("the", "file", "lists", "tool", "result", "line", "error", "ok", "path", "value")
 
@@ -56,7 +58,7 @@ _WORDS = ("the", "file", "lists", "tool", "result", "line", "error", "ok", "path
 def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, dict[str, Any]]:
     from agentkv._wire import decode_local_body, token_prefill
 
-    if route == "chat":
+    if route.startswith("chat"):
         # The conversation's text rides along as it does on the router's decode hop; nothing renders it.
         body = {
             "model": model,
@@ -64,7 +66,7 @@ def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, di
             "max_tokens": 1,
             "temperature": 0,
         }
-        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids)
+        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids, pack=route == "chat-packed")
     return token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=route == "generate")
 
 
@@ -85,6 +87,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--port", type=int, default=25400)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/prefill_route)")
     ap.add_argument("--spy", type=Path, default=None, help="profile each route's rounds with py-spy into DIR")
+    ap.add_argument(
+        "--forwarded-ids",
+        choices=("on", "always"),
+        default="always",
+        help="the plugin's AGENTKV_FORWARDED_IDS: `always` runs agentkv's wrapper on vLLM >= 0.32 too (it "
+        "reads the packed form; with `on` vLLM 0.32+'s own code takes the list and renders a packed request)",
+    )
     args = ap.parse_args(argv)
     from agentkv.server._launcher import Engine, EngineSpec
     from agentkv.server._model import ensure_tiny_model
@@ -97,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         port=args.port,
         max_model_len=max(lengths) + 64,
         cpu_kvcache_gib=4,
+        forwarded_ids=args.forwarded_ids,
         env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},  # beyond the tiny model's 32k positions
         log_path=Path(".agentkv/bench-logs/prefill_route/engine.log"),
     )

@@ -29,12 +29,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["forwarded_ids", "has_non_text_content", "install"]
+from agentkv._wire import PACKED_IDS_KEY, PROMPT_IDS_KEY, unpack_ids
+
+__all__ = ["forwarded_ids", "has_non_text_content", "install", "takes_packed_ids"]
 
 logger = logging.getLogger("vllm.agentkv.forwarded_ids")
 
-# Set by preprocess_chat for the render_chat_async call it makes (an await in the same task sees it).
-_IDS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("agentkv_forwarded_ids", default=None)
+# Set by preprocess_chat for the render_chat_async call it makes (an await in the same task sees it): the
+# ids and the form they came in.
+_IDS: contextvars.ContextVar[tuple[list[int], str] | None] = contextvars.ContextVar(
+    "agentkv_forwarded_ids", default=None
+)
 
 # Only plain text parts: anything else (images, audio, files, parts vLLM adds later) is rendered.
 _TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
@@ -64,22 +69,29 @@ def has_non_text_content(messages: Any) -> bool:
 
 
 def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[int] | None:
-    """Pop `kv_transfer_params["prompt_token_ids"]` off `request`: the ids to run, or None to render the
-    messages (none forwarded, echo, non-text content). Raises vLLM's validation error for ids that are not
-    a non-empty list of ids below `vocab_size`."""
+    """Pop the forwarded ids off `request`'s `kv_transfer_params` (`prompt_token_ids`, or agentkv's packed
+    form, `agentkv._wire.PACKED_IDS_KEY`): the ids to run, or None to render the messages (none forwarded,
+    echo, non-text content). Raises vLLM's validation error for ids that are not a non-empty list of ids
+    below `vocab_size`."""
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict):
         return None
-    ids = params.pop("prompt_token_ids", None)
-    if ids is None or getattr(request, "echo", False) or has_non_text_content(messages):
+    ids = params.pop(PROMPT_IDS_KEY, None)
+    packed = params.pop(PACKED_IDS_KEY, None)
+    if (ids is None and packed is None) or getattr(request, "echo", False) or has_non_text_content(messages):
         return None
+    if ids is None:
+        try:
+            ids = unpack_ids(packed)  # non-negative ints by construction
+        except ValueError as exc:
+            raise _error(f"`kv_transfer_params['{PACKED_IDS_KEY}']`: {exc}.") from None
     # bool is an int subclass, hence the exact type check.
-    if not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
+    elif not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
         raise _error(
             "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers."
         )
-    if vocab_size is not None and max(ids) >= vocab_size:
-        raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {max(ids)}, out of vocabulary.")
+    if vocab_size is not None and (top := max(ids)) >= vocab_size:
+        raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {top}, out of vocabulary.")
     return ids
 
 
@@ -108,10 +120,12 @@ def _vocab_size(front: Any) -> int | None:
 def _wrap_preprocess_chat(original: Any) -> Any:
     @functools.wraps(original)
     async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        params = getattr(request, "kv_transfer_params", None)
+        form = "packed" if isinstance(params, dict) and PACKED_IDS_KEY in params else "list"
         ids = forwarded_ids(request, messages, _vocab_size(self))
         if ids is None:
             return await original(self, request, messages, *args, **kwargs)
-        token = _IDS.set(ids)
+        token = _IDS.set((ids, form))
         try:
             return await original(self, request, messages, *args, **kwargs)
         finally:
@@ -126,13 +140,14 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
     async def render_chat_async(
         self: Any, conversations: Sequence[Any], *args: Any, prompt_extras: Any = None, **kwargs: Any
     ) -> Any:
-        ids = _IDS.get()
-        if ids is None or len(conversations) != 1:
+        taken = _IDS.get()
+        if taken is None or len(conversations) != 1:
             return await original(self, conversations, *args, prompt_extras=prompt_extras, **kwargs)
         _IDS.set(None)  # this request's one render
+        ids, form = taken
         engine_input = tokens_input(ids, cache_salt=(prompt_extras or {}).get("cache_salt"))
         engine_input["arrival_time"] = time.time()
-        _count()
+        _count(form)
         # No conversation: vLLM uses it only to echo the prompt, and an echo is rendered.
         return [[]], [engine_input]
 
@@ -140,11 +155,11 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
     return render_chat_async
 
 
-def _count() -> None:
+def _count(form: str) -> None:
     from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
 
     if (counters := _counters()) is not None:
-        counters.forwarded_ids.inc()
+        counters.forwarded_ids.labels(form=form).inc()
 
 
 def _has_own() -> bool:
@@ -156,6 +171,12 @@ def _has_own() -> bool:
         return origin is not None and "_reused_prompt_token_ids" in Path(origin).read_text(encoding="utf-8")
     except (ImportError, OSError):  # no such module (install() says so), or no source to read
         return False
+
+
+def takes_packed_ids(mode: str | None) -> bool:
+    """Whether an API server with this `AGENTKV_FORWARDED_IDS` mode runs agentkv's wrapper, which also reads
+    the packed ids (read from vLLM's source, as `install` decides; no import)."""
+    return mode == "always" or (mode == "on" and not _has_own())
 
 
 def install(*, always: bool) -> bool:

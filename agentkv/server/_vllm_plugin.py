@@ -107,7 +107,8 @@ class _Counters:
         )
         self.forwarded_ids = Counter(
             "agentkv_forwarded_ids_prompts",
-            "Chat prompts run from the router's forwarded ids (`_forwarded_ids`)",
+            "Chat prompts run from the router's forwarded ids (`_forwarded_ids`), by form: list or packed",
+            ["form"],
         )
 
     def __call__(self, result: str, reused: int, tokenized: int) -> None:

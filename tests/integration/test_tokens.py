@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from agentkv._wire import PACKED_IDS_KEY, pack_ids
 from agentkv.server._cluster import Cluster
 
 from ._cases import TOOLS, two_turns
@@ -57,7 +58,7 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     hops = ("/inference/v1/generate", "/v1/completions", "/v1/chat/completions")
     before = {h: _requests(p_url, h) for h in hops}
     d_url = cluster.decodes[0].spec.url
-    taken_before = metric(d_url, FORWARDED)
+    taken_before = metric(d_url, FORWARDED, form="packed")
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -74,8 +75,9 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     assert _requests(p_url, "/inference/v1/generate") - before["/inference/v1/generate"] == 2 * len(script)
     assert _requests(p_url, "/v1/chat/completions") == before["/v1/chat/completions"]
     assert _requests(p_url, "/v1/completions") == before["/v1/completions"]
-    # Every decode hop ran the forwarded ids through agentkv's plugin (this cluster's setting), not a render.
-    assert metric(d_url, FORWARDED) - taken_before == 2 * len(script)
+    # Every decode hop ran the forwarded ids through agentkv's plugin (this cluster's setting), not a render,
+    # and got them packed: decode's retention service says its plugin reads that form.
+    assert metric(d_url, FORWARDED, form="packed") - taken_before == 2 * len(script)
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:
@@ -87,20 +89,26 @@ def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster)
     ids = _render_ids(p_url, real)
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": True}
     by_text = httpx.post(f"{d_url}/v1/chat/completions", json={**body, "messages": real}, timeout=120)
-    taken = metric(d_url, FORWARDED)
-    by_ids = httpx.post(
-        f"{d_url}/v1/chat/completions",
-        json={**body, "messages": decoy, "kv_transfer_params": {"prompt_token_ids": ids}},
-        timeout=120,
-    )
-    assert by_text.status_code == by_ids.status_code == 200, (by_text.text, by_ids.text)
-    a, b = by_text.json(), by_ids.json()
-    assert b["usage"]["prompt_tokens"] == len(ids) == a["usage"]["prompt_tokens"]
-    assert b["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
-    # Taken by agentkv's plugin (this cluster runs it even on vLLM 0.32, which has its own), which decode's
-    # retention service tells the router.
-    assert metric(d_url, FORWARDED) - taken == 1
-    assert service_info(cluster.decodes[0].spec.service_url)["forwarded_ids"] is True
+    taken = {form: metric(d_url, FORWARDED, form=form) for form in ("list", "packed")}
+    answers = [by_text.json()]
+    for params in ({"prompt_token_ids": ids}, {PACKED_IDS_KEY: pack_ids(ids)}):
+        by_ids = httpx.post(
+            f"{d_url}/v1/chat/completions",
+            json={**body, "messages": decoy, "kv_transfer_params": params},
+            timeout=120,
+        )
+        assert by_text.status_code == by_ids.status_code == 200, (by_text.text, by_ids.text)
+        answers.append(by_ids.json())
+    assert [a["usage"]["prompt_tokens"] for a in answers] == [len(ids)] * 3
+    assert len({a["choices"][0]["message"]["content"] for a in answers}) == 1, answers
+    # Taken by agentkv's plugin (this cluster runs it even on vLLM 0.32, which has its own), in either form,
+    # which decode's retention service tells the router.
+    assert {form: metric(d_url, FORWARDED, form=form) - n for form, n in taken.items()} == {
+        "list": 1,
+        "packed": 1,
+    }
+    info = service_info(cluster.decodes[0].spec.service_url)
+    assert info["forwarded_ids"] is True and info["packed_ids"] is True
 
 
 def test_forwarded_ids_that_are_not_ids_get_a_400_and_decode_serves_on(cluster: Cluster) -> None:
@@ -121,6 +129,13 @@ def test_forwarded_ids_that_are_not_ids_get_a_400_and_decode_serves_on(cluster: 
         )
         assert r.status_code == 400, (bad, r.status_code, r.text)
         assert "prompt_token_ids" in r.json()["error"]["message"], r.text
+    for packed in ("not base64!", pack_ids([1, 2])[:-3], pack_ids([10**9])):
+        r = httpx.post(
+            f"{d_url}/v1/chat/completions",
+            json={**body, "kv_transfer_params": {PACKED_IDS_KEY: packed}},
+            timeout=60,
+        )
+        assert r.status_code == 400, (packed, r.status_code, r.text)
     ok = httpx.post(f"{d_url}/v1/chat/completions", json=body, timeout=60)
     assert ok.status_code == 200, ok.text
 

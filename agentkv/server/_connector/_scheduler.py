@@ -32,6 +32,7 @@ from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import COUNTERS, RetentionService
 from agentkv.server._connector._vllm import NixlPullConnectorScheduler
+from agentkv.server._forwarded_ids import takes_packed_ids
 from agentkv.server._vllm_plugin import forwarded_ids_mode
 
 if TYPE_CHECKING:
@@ -142,6 +143,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             # The API server next to this engine takes the router's forwarded prompt ids (the same plugin
             # settings reach every process vLLM starts).
             "forwarded_ids": forwarded_ids_mode() is not None,
+            # ... and agentkv's own wrapper there reads them packed as well (`agentkv._wire.pack_ids`).
+            "packed_ids": takes_packed_ids(forwarded_ids_mode()),
             # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),

@@ -84,6 +84,8 @@ class BackendState:
     # Decode's retention service says its API server takes forwarded prompt ids on a vLLM older than 0.32
     # (agentkv's plugin, `AGENTKV_FORWARDED_IDS`); learned with `retention`.
     forwarded_ids: bool = False
+    # ... and reads them packed (`agentkv._wire.pack_ids`): agentkv's plugin runs its own wrapper there.
+    packed_ids: bool = False
     registration: Registration | None = None
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.

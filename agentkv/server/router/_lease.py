@@ -58,6 +58,7 @@ class LeaseClient:
         info = _json(resp) if resp is not None and resp.status_code == 200 else None
         decode.retention = info is not None
         decode.forwarded_ids = info is not None and info.get("forwarded_ids") is True
+        decode.packed_ids = info is not None and info.get("packed_ids") is True
         if info is not None:
             lease_s = info.get("lease_s")
             decode.lease_s = float(lease_s) if isinstance(lease_s, (int, float)) else None

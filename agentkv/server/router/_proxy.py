@@ -189,6 +189,7 @@ class TurnRunner:
         turn.path = decision.path
         if turn.rendered is not None:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
+            turn.pack_ids = turn.forward_ids and decode.packed_ids
         return decode, decision
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
@@ -206,6 +207,7 @@ class TurnRunner:
             body = decode_local_body(
                 turn.body,
                 prompt_ids=turn.prompt_ids if turn.forward_ids else None,
+                pack=turn.pack_ids,
                 offer_decoded=not self._s.exact,
             )
             return await self._open_decode(turn, body, first=decode, failover=False)
@@ -277,7 +279,14 @@ class TurnRunner:
             turn.pulled_tokens = pulled
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
         ids = turn.prompt_ids if turn.forward_ids else None
-        body = decode_body(turn.body, kv, cache_salt=salt, prompt_ids=ids, offer_decoded=not self._s.exact)
+        body = decode_body(
+            turn.body,
+            kv,
+            cache_salt=salt,
+            prompt_ids=ids,
+            pack=turn.pack_ids,
+            offer_decoded=not self._s.exact,
+        )
         return await self._open_decode(turn, body, first=decode)
 
     async def _token_prefill(

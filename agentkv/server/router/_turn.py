@@ -56,8 +56,9 @@ class Turn:
     rendered: dict[str, Any] | None = None
     render_prefill: BackendState | None = None
     render_ms: float | None = None
-    # Whether decode gets the prompt's ids forwarded (it renders nothing then).
+    # Whether decode gets the prompt's ids forwarded (it renders nothing then), and packed.
     forward_ids: bool = False
+    pack_ids: bool = False
     # Decode's in-flight count for this turn (see `BackendState.inflight`): held from the decode hop's start
     # to the answer's last byte, closed by whoever sees that byte.
     inflight: contextlib.ExitStack[bool | None] = dataclasses.field(default_factory=contextlib.ExitStack)

@@ -76,6 +76,7 @@ class FakeEngines:
         self.renders = False
         self.version = "0.32.0"  # what GET /version reports
         self.d_forwarded_ids = False  # D's retention service reports agentkv's plugin taking forwarded ids
+        self.d_packed_ids = False  # ... and reading them packed
         # Prefills refuse these routes with (status, message), e.g. the generate route refusing the token
         # path's body as another release's schema would; and the generate route may answer without
         # kv_transfer_params. Empty/False: vLLM 0.32's behaviour.
@@ -237,6 +238,8 @@ class FakeEngines:
                 info["registration_generation"] = self.d_generation
             if self.d_forwarded_ids:
                 info["forwarded_ids"] = True
+            if self.d_packed_ids:
+                info["packed_ids"] = True
             return httpx.Response(200, json=info)
         now = time.perf_counter()
         if method == "GET" and path.startswith(_RETAINED):

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._wire import rendered_request, token_prefill
+from agentkv._wire import PACKED_IDS_KEY, rendered_request, token_prefill, unpack_ids
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 
@@ -86,6 +87,26 @@ async def test_decode_before_0_32_with_agentkvs_plugin_is_sent_the_ids(
     assert r.status_code == 200
     [d_body] = engines.completions("d")
     assert d_body["kv_transfer_params"]["prompt_token_ids"] == render_ids(engines.requests("p", RENDER)[0][0])
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.32.0"])
+async def test_decode_whose_plugin_reads_packed_ids_is_sent_them_packed(
+    engines: FakeEngines, make_client, version: str
+) -> None:
+    """One base64 string instead of a list of numbers, on every decode hop (P/D and decode-local); the
+    messages still ride along, so a decode that read neither form would render them."""
+    engines.renders, engines.version = True, version
+    engines.d_forwarded_ids = engines.d_packed_ids = True
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1, max_tokens=20)
+        r2 = await chat(client, then(USER1, r1), max_tokens=20)
+    assert r1.status_code == r2.status_code == 200
+    renders = [b for b, _ in engines.requests("p", RENDER)]
+    for body, render in zip(engines.completions("d"), renders, strict=True):
+        params = body["kv_transfer_params"]
+        assert "prompt_token_ids" not in params
+        assert unpack_ids(params[PACKED_IDS_KEY]) == render_ids(render)
+        assert body["messages"]
 
 
 async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(

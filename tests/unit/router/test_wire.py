@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv._exceptions import APIStatusError
-from agentkv._wire import prefill_body
+from agentkv._wire import PROMPT_IDS_KEY, pack_ids, prefill_body, unpack_ids, with_prompt_ids
 from agentkv.server.router import _codec
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
 from agentkv.server.router._params import strip_client_fields, strip_kv_json
@@ -443,3 +443,21 @@ def test_prefix_ignores_what_is_not_a_message() -> None:
             ]
         }
     )
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=300))
+def test_packed_ids_unpack_to_the_same_ids(ids: list[int]) -> None:
+    packed = pack_ids(ids)
+    assert isinstance(packed, str) and unpack_ids(packed) == ids
+
+
+@pytest.mark.parametrize("ids", [[-1], [2**32], [1, 2**40]])
+def test_ids_outside_uint32_are_not_packed(ids: list[int]) -> None:
+    assert pack_ids(ids) is None
+    assert with_prompt_ids({}, ids, pack=True) == {PROMPT_IDS_KEY: ids}  # the plain list instead
+
+
+@pytest.mark.parametrize("bad", ["", "AAA", "AQAAAA", "AQAAAA==x", "AAAA=", "!!!!", None, [1, 2]])
+def test_malformed_packed_ids_are_refused(bad: object) -> None:
+    with pytest.raises(ValueError):
+        unpack_ids(bad)

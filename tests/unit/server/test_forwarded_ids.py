@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from agentkv._wire import PACKED_IDS_KEY, pack_ids
 from agentkv.server import _forwarded_ids
 from agentkv.server._forwarded_ids import forwarded_ids, has_non_text_content
 from agentkv.server._vllm_plugin import ENV_FORWARDED_IDS, forwarded_ids_mode
@@ -52,6 +53,22 @@ def test_non_text_content_is_rendered_and_the_ids_dropped() -> None:
     assert has_non_text_content([SimpleNamespace(role="user", content="hi")])  # not a dict: rendered
     assert forwarded_ids(r, image, vocab_size=10) is None
     assert "prompt_token_ids" not in r.kv_transfer_params
+
+
+def test_packed_ids_are_taken_off_the_params_and_checked_against_the_vocabulary() -> None:
+    r = request()
+    r.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([5, 6, 7])
+    assert forwarded_ids(r, TEXT, vocab_size=10) == [5, 6, 7]
+    assert r.kv_transfer_params == {"do_remote_prefill": True}
+    for bad in ("", "not base64!", pack_ids([5])[:-2], 7, pack_ids([10])):
+        r = request()
+        r.kv_transfer_params[PACKED_IDS_KEY] = bad
+        with pytest.raises(INVALID):
+            forwarded_ids(r, TEXT, vocab_size=10)
+    echo = request(echo=True)
+    echo.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([5])
+    assert forwarded_ids(echo, TEXT, vocab_size=10) is None  # rendered, and the packed ids never reach vLLM
+    assert echo.kv_transfer_params == {"do_remote_prefill": True}
 
 
 @pytest.mark.parametrize("bad", [[], [1, True], [1, -1], [1, "2"], "1 2", {"0": 1}, [1.0], [10]])
