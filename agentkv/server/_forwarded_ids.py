@@ -162,6 +162,7 @@ def _count(form: str) -> None:
         counters.forwarded_ids.labels(form=form).inc()
 
 
+@functools.cache  # the info route asks on every probe; the installed vLLM does not change under a process
 def _has_own() -> bool:
     """Whether this vLLM takes forwarded ids itself (0.32+), read from its source: the plugin runs in every
     vLLM process, and importing the renderer costs the engine core and workers a second of start-up."""

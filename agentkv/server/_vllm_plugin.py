@@ -24,8 +24,9 @@ with 32, #57330 with 128).
 **Forwarded prompt ids on decode** (`AGENTKV_FORWARDED_IDS` = `on`, or `always` to use agentkv's even where
 vLLM has its own): on vLLM < 0.32 decode runs the prompt ids the router forwards in `kv_transfer_params`
 instead of rendering and tokenizing the messages again, as vLLM 0.32+ does itself (`_forwarded_ids`).
-Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/info`) so that the router
-sends the ids only where they are taken."""
+Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/info`, and `packed_ids`
+where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
+are taken, in the cheaper form where it can."""
 
 from __future__ import annotations
 
