@@ -121,7 +121,8 @@ def _wrap_preprocess_chat(original: Any) -> Any:
     @functools.wraps(original)
     async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
         params = getattr(request, "kv_transfer_params", None)
-        form = "packed" if isinstance(params, dict) and PACKED_IDS_KEY in params else "list"
+        # The form that will be read: the list when both came (`forwarded_ids` prefers it).
+        form = "list" if not isinstance(params, dict) or PROMPT_IDS_KEY in params else "packed"
         ids = forwarded_ids(request, messages, _vocab_size(self))
         if ids is None:
             return await original(self, request, messages, *args, **kwargs)

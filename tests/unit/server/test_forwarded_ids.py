@@ -173,3 +173,5 @@ def test_install_leaves_a_vllm_with_its_own_alone_unless_told_always(monkeypatch
     assert _forwarded_ids.install(always=True) is True
     assert online_renderer.OnlineRenderer.preprocess_chat.agentkv_wrapped  # type: ignore[attr-defined]
     assert BaseRenderer.render_chat_async.agentkv_wrapped  # type: ignore[attr-defined]
+    # What decode's retention service tells the router: packed ids only where agentkv's wrapper runs.
+    assert [_forwarded_ids.takes_packed_ids(m) for m in (None, "on", "always")] == [False, False, True]
