@@ -168,6 +168,13 @@ def write_results(
     return path
 
 
+def write_rows(name: str, args: Any, rows: list[dict[str, Any]], out_dir: Path) -> dict[str, Any]:
+    """A table benchmark's end: its flags and rows written (``write_results``) and the path printed."""
+    data: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    console.print(f"wrote {write_results(name, data, command_line(), out_dir=out_dir)}")
+    return data
+
+
 def _nan_to_none(value: Any) -> Any:
     if isinstance(value, float) and math.isnan(value):
         return None

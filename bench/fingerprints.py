@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv.server._connector._hashing import DIGEST, ChainCache, block_fingerprints
-from bench._common import command_line, console, line_chart, print_table, results_dir, write_results
+from bench._common import line_chart, print_table, results_dir, write_rows
 
 NAME = "fingerprints"
 ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -138,9 +138,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         xlabel="context tokens",
         ylabel="ms",
     )
-    data = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    console.print(f"wrote {write_results(NAME, data, command_line(), out_dir=out)}")
-    return data
+    return write_rows(NAME, args, rows, out)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,11 @@ from typing import Any
 
 from agentkv.server.router import _codec
 from bench._common import (
-    command_line,
-    console,
     line_chart,
     print_table,
     results_dir,
     summarize,
-    write_results,
+    write_rows,
 )
 
 NAME = "hop_codec"
@@ -96,9 +94,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         xlabel="context tokens",
         ylabel="ms",
     )
-    data = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    console.print(f"wrote {write_results(NAME, data, command_line(), out_dir=out)}")
-    return data
+    return write_rows(NAME, args, rows, out)
 
 
 if __name__ == "__main__":

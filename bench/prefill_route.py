@@ -34,13 +34,12 @@ from typing import Any
 import httpx
 
 from bench._common import (
-    command_line,
     console,
     line_chart,
     print_table,
     results_dir,
     summarize,
-    write_results,
+    write_rows,
 )
 
 NAME = "prefill_route"
@@ -159,9 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         xlabel="prompt tokens",
         ylabel="ms",
     )
-    data: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
-    console.print(f"wrote {write_results(NAME, data, command_line(), out_dir=out)}")
-    return data
+    return write_rows(NAME, args, rows, out)
 
 
 @contextlib.contextmanager
