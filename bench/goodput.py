@@ -266,6 +266,7 @@ class _Deployment:
                 extra_args=list(args.engine_arg or []),
                 prefill_args=list(args.prefill_engine_arg or []),
                 decode_args=list(args.decode_engine_arg or []),
+                extra_kv_config=dict(args.kv_config or []),
                 env=env,
                 **plugin_fields(args, reuse=self.group == "reuse"),
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
@@ -449,6 +450,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--decode-engine-arg", action="append", help="the same for D only")
     ap.add_argument(
+        "--kv-config",
+        action="append",
+        type=_kv_config_item,
+        help="KEY=VALUE into the P/D engines' kv_connector_extra_config (repeat; VALUE read as JSON where it "
+        "parses), e.g. agentkv_max_retained_fraction=0.3",
+    )
+    ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
@@ -468,6 +476,17 @@ def _parser() -> argparse.ArgumentParser:
         help="combine the legs of runs of one config into --out, then plot",
     )
     return ap
+
+
+def _kv_config_item(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of ``--kv-config``: the value as JSON where it parses (numbers, booleans), else text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

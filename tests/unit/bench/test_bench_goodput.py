@@ -3,6 +3,7 @@ open-loop driver against a fake streaming server."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from typing import Any
 
@@ -21,7 +22,7 @@ from bench._agentload import (
 )
 from bench._engine_metrics import CONNECTOR, VLLM, Sample, digest, parse, series
 from bench._trace import Conversation, Request
-from bench.goodput import groups, limits, router_settings, targets
+from bench.goodput import _kv_config_item, groups, limits, router_settings, targets
 
 VLLM_TEXT = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -299,3 +300,12 @@ def test_router_settings_per_leg() -> None:
     }
     with pytest.raises(ValueError):
         router_settings("agg", "auto", [])
+
+
+def test_kv_config_items_read_json_values_and_refuse_a_missing_key() -> None:
+    assert _kv_config_item("agentkv_max_retained_fraction=0.3") == ("agentkv_max_retained_fraction", 0.3)
+    assert _kv_config_item("agentkv_offer_decoded=true") == ("agentkv_offer_decoded", True)
+    assert _kv_config_item("agentkv_service_host=10.0.0.1") == ("agentkv_service_host", "10.0.0.1")
+    for bad in ("no_equals", "=1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _kv_config_item(bad)
