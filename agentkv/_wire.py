@@ -181,8 +181,9 @@ def pack_ids(ids: Sequence[int]) -> str | None:
     return binascii.b2a_base64(packed.tobytes(), newline=False).decode("ascii")
 
 
-def unpack_ids(packed: object) -> list[int]:
-    """The ids `pack_ids` packed. Raises ValueError unless `packed` is base64 of one or more uint32s."""
+def unpack_ids(packed: object) -> array[int]:
+    """The ids `pack_ids` packed, as an `array("I")` (`.tolist()` for a list). Raises ValueError unless
+    `packed` is base64 of one or more uint32s."""
     if not isinstance(packed, str):
         raise ValueError("packed ids must be a string")
     try:
@@ -195,7 +196,7 @@ def unpack_ids(packed: object) -> list[int]:
     ids.frombytes(raw)
     if sys.byteorder == "big":
         ids.byteswap()
-    return ids.tolist()
+    return ids
 
 
 assert array("I").itemsize == 4, "pack_ids needs a 4-byte unsigned int"

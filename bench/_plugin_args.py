@@ -33,17 +33,29 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
         "rendering the messages again (vLLM 0.32+ does it itself, whatever this says)",
     )
+    ap.add_argument(
+        "--fast-json",
+        choices=("on", "off"),
+        default="on",
+        help="the reuse legs' API servers parse request bodies with msgspec (json.loads where it refuses)",
+    )
 
 
 def plugin_fields(args: argparse.Namespace, *, reuse: bool) -> dict[str, Any]:
     """The plugin's `ClusterConfig`/`EngineSpec` fields for a leg: the flags above in a reuse leg, vLLM as
     shipped (every part off) in a stock one."""
     if not reuse:
-        return {"tokenizer_cache": "off", "detokenizer_prime_tokens": 0, "forwarded_ids": "off"}
+        return {
+            "tokenizer_cache": "off",
+            "detokenizer_prime_tokens": 0,
+            "forwarded_ids": "off",
+            "fast_json": False,
+        }
     return {
         "tokenizer_cache": args.tokenizer_cache,
         "detokenizer_prime_tokens": args.detokenizer_prime_tokens,
         "forwarded_ids": args.forwarded_ids,
+        "fast_json": args.fast_json == "on",
     }
 
 

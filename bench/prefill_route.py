@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the plugin's AGENTKV_FORWARDED_IDS: `always` runs agentkv's wrapper on vLLM >= 0.32 too (it "
         "reads the packed form; with `on` vLLM 0.32+'s own code takes the list and renders a packed request)",
     )
+    ap.add_argument(
+        "--fast-json",
+        choices=("on", "off"),
+        default="on",
+        help="the plugin's AGENTKV_FAST_JSON: request bodies parsed with msgspec (off: json.loads, as vLLM)",
+    )
     args = ap.parse_args(argv)
     from agentkv.server._launcher import Engine, EngineSpec
     from agentkv.server._model import ensure_tiny_model
@@ -106,6 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         max_model_len=max(lengths) + 64,
         cpu_kvcache_gib=4,
         forwarded_ids=args.forwarded_ids,
+        fast_json=args.fast_json == "on",
         env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},  # beyond the tiny model's 32k positions
         log_path=Path(".agentkv/bench-logs/prefill_route/engine.log"),
     )

@@ -82,6 +82,7 @@ class ClusterConfig:
     tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     forwarded_ids: ForwardedIdsMode = "on"  # the same plugin: decode < 0.32 runs the router's forwarded ids
+    fast_json: bool = True  # the same plugin: request bodies parsed with msgspec in vLLM's API server
     extra_args: list[str] = field(default_factory=list)
     # After extra_args, for one role only (vLLM takes a flag's last value): e.g. a decode that retains
     # conversations gets more of a shared GPU's KV memory than its prefill.
@@ -155,6 +156,7 @@ class ClusterConfig:
             tokenizer_cache=self.tokenizer_cache,
             detokenizer_prime_tokens=self.detokenizer_prime_tokens,
             forwarded_ids=self.forwarded_ids,
+            fast_json=self.fast_json,
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},
         )

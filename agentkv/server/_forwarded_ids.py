@@ -25,6 +25,7 @@ import functools
 import importlib.util
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,17 +83,30 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[i
         return None
     if ids is None:
         try:
-            ids = unpack_ids(packed)  # non-negative ints by construction
+            unpacked = unpack_ids(packed)  # non-negative ints by construction
         except ValueError as exc:
             raise _error(f"`kv_transfer_params['{PACKED_IDS_KEY}']`: {exc}.") from None
+        top = _max_id(unpacked)
+        ids = unpacked.tolist()
     # bool is an int subclass, hence the exact type check.
     elif not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
         raise _error(
             "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers."
         )
-    if vocab_size is not None and (top := max(ids)) >= vocab_size:
+    else:
+        top = max(ids)
+    if vocab_size is not None and top >= vocab_size:
         raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {top}, out of vocabulary.")
     return ids
+
+
+def _max_id(ids: array[int]) -> int:
+    """The largest of packed ids: numpy (vLLM's own dependency) reads the buffer without making 131k ints."""
+    try:
+        import numpy as np
+    except ImportError:
+        return max(ids)
+    return int(np.frombuffer(ids, dtype=np.uint32).max())
 
 
 def _error(message: str) -> Exception:

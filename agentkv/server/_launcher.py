@@ -29,6 +29,7 @@ from agentkv._exceptions import EngineNotInstalledError, EngineStartError, Model
 from agentkv.server._versions import check_versions, installed_version
 from agentkv.server._vllm_plugin import (
     DEFAULT_PRIME_TOKENS,
+    ENV_FAST_JSON,
     ENV_FORWARDED_IDS,
     ENV_MODE,
     ENV_PRIME,
@@ -105,6 +106,8 @@ class EngineSpec:
     # Decode on vLLM < 0.32 runs the router's forwarded prompt ids instead of rendering the messages again
     # (same plugin; 0.32+ does it itself); "always": the plugin's code even where vLLM has its own.
     forwarded_ids: ForwardedIdsMode = "on"
+    # Request bodies parsed with msgspec instead of json.loads in vLLM's API server (same plugin).
+    fast_json: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -212,6 +215,7 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         ENV_MODE: spec.tokenizer_cache,
         ENV_PRIME: str(spec.detokenizer_prime_tokens),
         ENV_FORWARDED_IDS: spec.forwarded_ids,
+        ENV_FAST_JSON: "on" if spec.fast_json else "off",
     }
     if spec.device == "cpu":
         env.update(

@@ -105,7 +105,7 @@ async def test_decode_whose_plugin_reads_packed_ids_is_sent_them_packed(
     for body, render in zip(engines.completions("d"), renders, strict=True):
         params = body["kv_transfer_params"]
         assert "prompt_token_ids" not in params
-        assert unpack_ids(params[PACKED_IDS_KEY]) == render_ids(render)
+        assert unpack_ids(params[PACKED_IDS_KEY]).tolist() == render_ids(render)
         assert body["messages"]
 
 
