@@ -69,11 +69,11 @@ def has_non_text_content(messages: Any) -> bool:
     return False
 
 
-def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[int] | None:
+def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[list[int], str] | None:
     """Pop the forwarded ids off `request`'s `kv_transfer_params` (`prompt_token_ids`, or agentkv's packed
-    form, `agentkv._wire.PACKED_IDS_KEY`): the ids to run, or None to render the messages (none forwarded,
-    echo, non-text content). Raises vLLM's validation error for ids that are not a non-empty list of ids
-    below `vocab_size`."""
+    form, `agentkv._wire.PACKED_IDS_KEY`; the list when both came): the ids to run and the form they came in
+    ("list" or "packed"), or None to render the messages (none forwarded, echo, non-text content). Raises
+    vLLM's validation error for ids that are not a non-empty list of ids below `vocab_size`."""
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict):
         return None
@@ -81,13 +81,14 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[i
     packed = params.pop(PACKED_IDS_KEY, None)
     if (ids is None and packed is None) or getattr(request, "echo", False) or has_non_text_content(messages):
         return None
+    form = "list"
     if ids is None:
         try:
             unpacked = unpack_ids(packed)  # non-negative ints by construction
         except ValueError as exc:
             raise _error(f"`kv_transfer_params['{PACKED_IDS_KEY}']`: {exc}.") from None
         top = _max_id(unpacked)
-        ids = unpacked.tolist()
+        ids, form = unpacked.tolist(), "packed"
     # bool is an int subclass, hence the exact type check.
     elif not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
         raise _error(
@@ -97,7 +98,7 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> list[i
         top = max(ids)
     if vocab_size is not None and top >= vocab_size:
         raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {top}, out of vocabulary.")
-    return ids
+    return ids, form
 
 
 def _max_id(ids: array[int]) -> int:
@@ -134,13 +135,10 @@ def _vocab_size(front: Any) -> int | None:
 def _wrap_preprocess_chat(original: Any) -> Any:
     @functools.wraps(original)
     async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
-        params = getattr(request, "kv_transfer_params", None)
-        # The form that will be read: the list when both came (`forwarded_ids` prefers it).
-        form = "list" if not isinstance(params, dict) or PROMPT_IDS_KEY in params else "packed"
-        ids = forwarded_ids(request, messages, _vocab_size(self))
-        if ids is None:
+        taken = forwarded_ids(request, messages, _vocab_size(self))
+        if taken is None:
             return await original(self, request, messages, *args, **kwargs)
-        token = _IDS.set((ids, form))
+        token = _IDS.set(taken)
         try:
             return await original(self, request, messages, *args, **kwargs)
         finally:

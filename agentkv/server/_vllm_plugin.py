@@ -77,17 +77,17 @@ _ATTR = "_agentkv_tokenizer_cache"
 _build_lock = threading.Lock()
 
 
-def _switch(env: str, other: str, *, unknown: str) -> str | None:
-    """A plugin switch from the environment: None (unset or off), "on", or its one `other` mode; anything
-    else is logged (`unknown` says what then happens) and counts as off."""
+def _switch(env: str, other: str | None = None, *, unknown: str) -> str | None:
+    """A plugin switch from the environment: None (unset or off), "on", or its `other` mode if it has one;
+    anything else is logged (`unknown` says what then happens) and counts as off."""
     mode = os.environ.get(env, "off").strip().lower()
     if mode in ("", "0", "off", "false", "no"):
         return None
     if mode in ("on", "1", "true", "yes"):
         return "on"
-    if mode == other:
+    if other is not None and mode == other:
         return other
-    logger.warning("%s=%r is not off, on or %s: %s", env, mode, other, unknown)
+    logger.warning("%s=%r is not off or on%s: %s", env, mode, f" or {other}" if other else "", unknown)
     return None
 
 
@@ -270,7 +270,7 @@ def register() -> None:
     keep = _prime_tokens()
     if keep:
         _register_prime_tail(keep)
-    if _switch(ENV_FAST_JSON, "on", unknown="request JSON stays json.loads") is not None:
+    if _switch(ENV_FAST_JSON, unknown="request JSON stays json.loads") is not None:
         from agentkv.server import _fast_json
 
         _fast_json.install()

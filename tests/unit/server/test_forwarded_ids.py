@@ -28,7 +28,7 @@ def request(ids: Any = None, **fields: Any) -> SimpleNamespace:
 
 def test_the_ids_are_taken_off_the_params() -> None:
     r = request([5, 6, 7])
-    assert forwarded_ids(r, TEXT, vocab_size=10) == [5, 6, 7]
+    assert forwarded_ids(r, TEXT, vocab_size=10) == ([5, 6, 7], "list")
     assert r.kv_transfer_params == {"do_remote_prefill": True}  # never reaches the engine's sampling params
 
 
@@ -58,7 +58,7 @@ def test_non_text_content_is_rendered_and_the_ids_dropped() -> None:
 def test_packed_ids_are_taken_off_the_params_and_checked_against_the_vocabulary() -> None:
     r = request()
     r.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([5, 6, 7])
-    assert forwarded_ids(r, TEXT, vocab_size=10) == [5, 6, 7]
+    assert forwarded_ids(r, TEXT, vocab_size=10) == ([5, 6, 7], "packed")
     assert r.kv_transfer_params == {"do_remote_prefill": True}
     for bad in ("", "not base64!", pack_ids([5])[:-2], 7, pack_ids([10])):
         r = request()
