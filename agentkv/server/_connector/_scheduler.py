@@ -127,6 +127,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
     def _info(self) -> dict[str, Any]:
         import vllm
 
+        forwarded = forwarded_ids_mode()
         return {
             "engine_id": self.engine_id,
             "role": "decode" if self.is_decode else "prefill",
@@ -142,9 +143,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "vllm_version": vllm.__version__,
             # The API server next to this engine takes the router's forwarded prompt ids (the same plugin
             # settings reach every process vLLM starts).
-            "forwarded_ids": forwarded_ids_mode() is not None,
+            "forwarded_ids": forwarded is not None,
             # ... and agentkv's own wrapper there reads them packed as well (`agentkv._wire.pack_ids`).
-            "packed_ids": takes_packed_ids(forwarded_ids_mode()),
+            "packed_ids": takes_packed_ids(forwarded),
             # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),
