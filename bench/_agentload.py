@@ -84,22 +84,25 @@ def generate_plans(
     max_gap_s: float,
     seed: int,
 ) -> list[ConversationPlan]:
-    """Poisson arrivals at ``rate`` conversations/s over ``window_s``; each starts with a context drawn from
-    ``contexts``, then ``turns - 1`` tool results of ``suffix`` tokens after lognormal gaps (median
-    ``gap_median_s``, shape ``gap_sigma``, capped at ``max_gap_s``)."""
+    """``round(rate * window_s)`` conversations arriving at Poisson times over ``window_s``; each starts with
+    a context drawn from ``contexts``, then ``turns - 1`` tool results of ``suffix`` tokens after lognormal
+    gaps (median ``gap_median_s``, shape ``gap_sigma``, capped at ``max_gap_s``).
+
+    The count is fixed and the times are a Poisson process's given that count (sorted uniform draws): a free
+    count over a short window is too noisy to sweep rates with (12 s at 1.5/s once drew 6 conversations, fewer
+    than the 1/s step's 15, so a step labelled 1.5/s offered less load than the one below it)."""
     if rate <= 0 or window_s <= 0 or turns < 1:
         raise ValueError("rate, window_s and turns must be positive")
     rng = random.Random(seed)
+    arrivals = sorted(rng.uniform(0.0, window_s) for _ in range(max(1, round(rate * window_s))))
     plans: list[ConversationPlan] = []
-    t = rng.expovariate(rate)
-    while t < window_s:
+    for t in arrivals:
         context = rng.choice(list(contexts))
         steps = [TurnPlan(new_tokens=context, output_tokens=output_tokens, gap_s=0.0)]
         for _ in range(turns - 1):
             gap = min(max_gap_s, rng.lognormvariate(math.log(gap_median_s), gap_sigma))
             steps.append(TurnPlan(new_tokens=suffix, output_tokens=output_tokens, gap_s=round(gap, 3)))
         plans.append(ConversationPlan(index=len(plans), arrival_s=round(t, 3), turns=tuple(steps)))
-        t += rng.expovariate(rate)
     return plans
 
 

