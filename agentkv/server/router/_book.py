@@ -189,10 +189,7 @@ class TurnBook:
         if turn.ttft_ms is None or turn.prompt_tokens is None:
             return
         computed = max(turn.prompt_tokens - turn.reused_tokens, 0)
-        if turn.path == "decode-local":
-            self._sv.cost.local.observe(computed, turn.ttft_ms)
-        else:
-            self._sv.cost.pd.observe(computed, turn.ttft_ms)
+        self._sv.cost.observe_turn(path=turn.path, computed_tokens=computed, ttft_ms=turn.ttft_ms)
 
     def _count(self, turn: Turn) -> None:
         m = self._sv.metrics

@@ -162,6 +162,19 @@ class CostModel:
     def estimate_tokens(self, chars: int) -> int:
         return math.ceil(chars / max(self.chars_per_token, 0.1))
 
+    def observe_turn(self, *, path: Path, computed_tokens: int, ttft_ms: float) -> None:
+        """Learn from a streamed turn's first token, on the line of the path it took.
+
+        A recompute teaches neither line. Its P hop computes the whole prompt and reads nothing from decode,
+        so with cold turns on it the P/D line runs through seconds at long prompts and prices a short pull at
+        the slope of computing it, blind to what a pull costs beyond compute at that context (the P hop's
+        per-request work over every id and the read of decode's KV): on the H200 at 127k tokens it priced a
+        512-token pull below decode-local, and the pull took 331 ms where decode-local took 212."""
+        if path == "decode-local":
+            self.local.observe(computed_tokens, ttft_ms)
+        elif path == "pull":
+            self.pd.observe(computed_tokens, ttft_ms)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PathDecision:

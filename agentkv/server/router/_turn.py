@@ -20,6 +20,7 @@ from agentkv._constants import (
 from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH, render_path
 
 from ._backend import BackendState
+from ._policy import Path
 from ._sse import Dialect
 
 __all__ = ["Turn"]
@@ -42,7 +43,7 @@ class Turn:
     # Filled in as the turn runs, for headers, the log line and the bookkeeping afterwards.
     prefill: str = "-"
     decode: str = "-"
-    path: str = "recompute"
+    path: Path = "recompute"
     reuse: str = "none"
     reused_tokens: int = 0
     # Of those, what prefill read from decode, as our connector on prefill reports it (None: not reported).

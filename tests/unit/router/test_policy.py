@@ -174,6 +174,25 @@ def test_path_choice_before_costs_are_measured() -> None:
     assert decide(CostModel(), n=50, load=1).path == "pull"
 
 
+def test_a_recompute_teaches_neither_line() -> None:
+    """Cold turns (the whole prompt computed on P) must not price a short pull: at long contexts their
+    line predicts a 512-token pull at the cost of computing 512 tokens, far below what the pull costs."""
+    model = CostModel()
+    for prompt, ms in ((32_773, 1_480.0), (65_541, 3_830.0), (98_309, 7_221.0), (126_981, 11_169.0)):
+        model.observe_turn(path="recompute", computed_tokens=prompt, ttft_ms=ms)
+    for ms in (94.0, 113.0, 178.0):
+        model.observe_turn(path="decode-local", computed_tokens=497, ttft_ms=ms)
+    assert model.pd.samples == 0 and model.local.samples == 3
+    # H200 sweep, 2026-12-05: with the cold turns on the P/D line this turn was pulled (331 ms) although
+    # decode-local took 212 ms at the same length; an idle decode now keeps it local until pulls are measured.
+    assert decide(model, n=497).path == "decode-local"
+    for ms in (331.0, 300.0, 350.0):
+        model.observe_turn(path="pull", computed_tokens=497, ttft_ms=ms)
+    assert model.pd.samples == 3
+    assert decide(model, n=497).path == "decode-local"  # ~128 ms < ~327 ms
+    assert decide(model, n=497, load=3).path == "pull"  # a busy decode: ~514 ms > ~327 ms
+
+
 def test_chars_per_token_is_learned() -> None:
     model = CostModel()
     model.observe_chars(3000, 1000)
