@@ -103,8 +103,8 @@ def serve(
     fast_json: Annotated[
         bool,
         typer.Option(
-            help="Parse request bodies in vLLM's API server with msgspec (json.loads where it refuses one): "
-            "half the time for token-path bodies of 100k+ ids."
+            help="Parse request bodies and encode JSON answers in vLLM's API server with msgspec (the "
+            "standard library where it would differ): token-path bodies and answers of 100k+ ids."
         ),
     ] = True,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,

@@ -50,13 +50,20 @@ ROUTES = {
     "generate (detokenize off)": "generate",
     "chat (forwarded ids)": "chat",
     "chat (packed ids)": "chat-packed",
+    "render (chat template + tokenizer)": "render",
 }
 _WORDS = ("the", "file", "lists", "tool", "result", "line", "error", "ok", "path", "value")
+# One token each on the tiny model's tokenizer: the render route's text is then about as long as the ids.
+_ONE_TOKEN_WORDS = ("the", "file", "tool", "result", "error", "value")
 
 
 def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, dict[str, Any]]:
     from agentkv._wire import decode_local_body, token_prefill
 
+    if route == "render":
+        # The router's one render per turn, on prefill's API server (the token path's first hop).
+        body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        return "/v1/chat/completions/render", body
     if route.startswith("chat"):
         # The conversation's text rides along as it does on the router's decode hop; nothing renders it.
         body = {
@@ -74,7 +81,8 @@ def _timed(client: httpx.Client, route: str, ids: list[int], text: str, model: s
     t0 = time.perf_counter()
     r = client.post(path, json=body)
     ms = (time.perf_counter() - t0) * 1e3
-    r.raise_for_status()
+    if r.is_error:
+        raise SystemExit(f"{route}: HTTP {r.status_code}: {r.text[:300]}")
     return ms
 
 
@@ -109,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         role="single",
         model=str(model),
         port=args.port,
-        max_model_len=max(lengths) + 64,
+        max_model_len=max(lengths) + 256,  # the render route adds the chat template's tokens
         cpu_kvcache_gib=4,
         forwarded_ids=args.forwarded_ids,
         fast_json=args.fast_json == "on",
@@ -129,6 +137,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for n in lengths:
                 ids = [rng.randrange(100, vocab) for _ in range(n)]
                 text = " ".join(rng.choice(_WORDS) for _ in range(n))
+                render_text = " ".join(rng.choice(_ONE_TOKEN_WORDS) for _ in range(n - 16))
+
+                def _text(route: str, text: str = text, render_text: str = render_text) -> str:
+                    return render_text if route == "render" else text
+
                 with console.status(f"computing a {n:,}-token prompt once ..."):
                     _timed(client, "completions", ids, text, name)
                 times: dict[str, list[float]] = {label: [] for label in ROUTES}
@@ -136,13 +149,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if args.spy is None:
                     for _ in range(args.rounds):
                         for label, route in ROUTES.items():
-                            times[label].append(_timed(client, route, ids, text, name))
+                            times[label].append(_timed(client, route, ids, _text(route), name))
                 else:
                     for label, route in ROUTES.items():
                         raw = args.spy / f"{route}-{n}.txt"
                         with _spied(engine.pid, raw):
                             times[label] = [
-                                _timed(client, route, ids, text, name) for _ in range(args.rounds)
+                                _timed(client, route, ids, _text(route), name) for _ in range(args.rounds)
                             ]
                         spy[label] = _spy_stages(raw, args.rounds)
                 row = {"tokens": n, **{label: summarize(ms) for label, ms in times.items()}}

@@ -28,9 +28,11 @@ Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/
 where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
 are taken, in the cheaper form where it can.
 
-**Request JSON through msgspec** (`AGENTKV_FAST_JSON` = `on`): starlette's `Request.json`, which parses
-every request body in vLLM's API server, uses msgspec where it can and `json.loads` where msgspec refuses,
-with the same values out (`_fast_json`): half the time for the token path's bodies of 100k+ ids."""
+**JSON through msgspec** (`AGENTKV_FAST_JSON` = `on`): starlette's `Request.json`, which parses every
+request body in vLLM's API server, uses msgspec where it can and `json.loads` where msgspec refuses, and
+`JSONResponse.render` encodes with msgspec where that gives the standard library's values (`_fast_json`):
+half the time for the token path's bodies of 100k+ ids, a twentieth for the render answer that carries
+them."""
 
 from __future__ import annotations
 
@@ -270,7 +272,7 @@ def register() -> None:
     keep = _prime_tokens()
     if keep:
         _register_prime_tail(keep)
-    if _switch(ENV_FAST_JSON, unknown="request JSON stays json.loads") is not None:
+    if _switch(ENV_FAST_JSON, unknown="JSON stays the standard library's") is not None:
         from agentkv.server import _fast_json
 
         _fast_json.install()
