@@ -8,12 +8,13 @@ from typing import Any
 
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
 
-__all__ = ["add_plugin_args", "add_prefill_cache_arg", "plugin_fields"]
+__all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "plugin_fields"]
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
-    """`--tokenizer-cache`, `--detokenizer-prime-tokens` and `--forwarded-ids`: the reuse legs' engines run
-    agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv) never do."""
+    """`--tokenizer-cache`, `--detokenizer-prime-tokens`, `--forwarded-ids` and `--fast-json`: the reuse
+    legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv) never
+    do."""
     ap.add_argument(
         "--tokenizer-cache",
         choices=TOKENIZER_CACHE_MODES,
@@ -33,11 +34,17 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
         "rendering the messages again (vLLM 0.32+ does it itself, whatever this says)",
     )
+    add_fast_json_arg(ap)
+
+
+def add_fast_json_arg(ap: argparse.ArgumentParser) -> None:
+    """`--fast-json`: the plugin's `AGENTKV_FAST_JSON` in the servers a benchmark starts with it."""
     ap.add_argument(
         "--fast-json",
         choices=("on", "off"),
         default="on",
-        help="the reuse legs' API servers parse request bodies with msgspec (json.loads where it refuses)",
+        help="agentkv's AGENTKV_FAST_JSON: vLLM's API server parses request bodies and encodes JSON answers "
+        "with msgspec where that gives the standard library's values (off: the standard library, as vLLM)",
     )
 
 

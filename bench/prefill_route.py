@@ -41,6 +41,7 @@ from bench._common import (
     summarize,
     write_rows,
 )
+from bench._plugin_args import add_fast_json_arg
 
 NAME = "prefill_route"
 # Label -> the hop: the router's own bodies (`agentkv._wire`), with empty kv_transfer_params (one server,
@@ -101,12 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="the plugin's AGENTKV_FORWARDED_IDS: `always` runs agentkv's wrapper on vLLM >= 0.32 too (it "
         "reads the packed form; with `on` vLLM 0.32+'s own code takes the list and renders a packed request)",
     )
-    ap.add_argument(
-        "--fast-json",
-        choices=("on", "off"),
-        default="on",
-        help="the plugin's AGENTKV_FAST_JSON: request bodies parsed with msgspec (off: json.loads, as vLLM)",
-    )
+    add_fast_json_arg(ap)
     args = ap.parse_args(argv)
     from agentkv.server._launcher import Engine, EngineSpec
     from agentkv.server._model import ensure_tiny_model

@@ -106,7 +106,7 @@ class EngineSpec:
     # Decode on vLLM < 0.32 runs the router's forwarded prompt ids instead of rendering the messages again
     # (same plugin; 0.32+ does it itself); "always": the plugin's code even where vLLM has its own.
     forwarded_ids: ForwardedIdsMode = "on"
-    # Request bodies parsed with msgspec instead of json.loads in vLLM's API server (same plugin).
+    # Request bodies parsed and JSON answers encoded with msgspec in vLLM's API server (same plugin).
     fast_json: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
