@@ -13,8 +13,8 @@ __all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "plu
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
     """`--tokenizer-cache`, `--detokenizer-prime-tokens`, `--forwarded-ids` and `--fast-json`: the reuse
-    legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv) never
-    do."""
+    legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv)
+    never do."""
     ap.add_argument(
         "--tokenizer-cache",
         choices=TOKENIZER_CACHE_MODES,
