@@ -97,7 +97,8 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[
     else:
         top = max(ids)
     if vocab_size is not None and top >= vocab_size:
-        raise _error(f"`kv_transfer_params['prompt_token_ids']` has id {top}, out of vocabulary.")
+        key = PACKED_IDS_KEY if form == "packed" else PROMPT_IDS_KEY
+        raise _error(f"`kv_transfer_params['{key}']` has id {top}, out of vocabulary.")
     return ids, form
 
 

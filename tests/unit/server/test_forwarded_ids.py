@@ -63,7 +63,7 @@ def test_packed_ids_are_taken_off_the_params_and_checked_against_the_vocabulary(
     for bad in ("", "not base64!", pack_ids([5])[:-2], 7, pack_ids([10])):
         r = request()
         r.kv_transfer_params[PACKED_IDS_KEY] = bad
-        with pytest.raises(INVALID):
+        with pytest.raises(INVALID, match=PACKED_IDS_KEY):  # the error names the key the client sent
             forwarded_ids(r, TEXT, vocab_size=10)
     echo = request(echo=True)
     echo.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([5])
