@@ -111,6 +111,24 @@ def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster)
     assert info["forwarded_ids"] is True and info["packed_ids"] is True
 
 
+def test_the_render_answer_is_encoded_by_agentkvs_msgspec_path(cluster: Cluster) -> None:
+    """The render answer carries the conversation's ids; the engines' plugin encodes vLLM's JSON answers
+    with msgspec (`AGENTKV_FAST_JSON`). msgspec spells a float's exponent `1e-7` where the standard library
+    writes `1e-07`, which shows the path taken; the values are the same."""
+    p_url = cluster.prefills[0].spec.url
+    messages = [{"role": "user", "content": conversation_script(33, 1)[0]}]
+    r = httpx.post(
+        f"{p_url}/v1/chat/completions/render",
+        json={"model": MODEL, "messages": messages, "max_tokens": 1, "top_p": 1e-7},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    assert '"top_p":1e-7' in r.text, r.text[:300]
+    answer = r.json()
+    assert answer["sampling_params"]["top_p"] == 1e-7
+    assert answer["token_ids"] == _render_ids(p_url, messages)
+
+
 def test_forwarded_ids_that_are_not_ids_get_a_400_and_decode_serves_on(cluster: Cluster) -> None:
     """Only the router sends ids, but a decode's API server is reachable: malformed ones are the client's
     error, answered before the engine sees them."""
@@ -136,6 +154,7 @@ def test_forwarded_ids_that_are_not_ids_get_a_400_and_decode_serves_on(cluster: 
             timeout=60,
         )
         assert r.status_code == 400, (packed, r.status_code, r.text)
+        assert PACKED_IDS_KEY in r.json()["error"]["message"], r.text  # the key the client sent
     ok = httpx.post(f"{d_url}/v1/chat/completions", json=body, timeout=60)
     assert ok.status_code == 200, ok.text
 
