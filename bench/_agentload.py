@@ -89,8 +89,8 @@ def generate_plans(
     gaps (median ``gap_median_s``, shape ``gap_sigma``, capped at ``max_gap_s``).
 
     The count is fixed and the times are a Poisson process's given that count (sorted uniform draws): a free
-    count over a short window is too noisy to sweep rates with (12 s at 1.5/s once drew 6 conversations, fewer
-    than the 1/s step's 15, so a step labelled 1.5/s offered less load than the one below it)."""
+    count over a short window is too noisy to sweep rates with (over 12 s a draw at 1.5/s can bring fewer
+    conversations than one at 1/s, and a step would then offer less load than the one below it)."""
     if rate <= 0 or window_s <= 0 or turns < 1:
         raise ValueError("rate, window_s and turns must be positive")
     rng = random.Random(seed)

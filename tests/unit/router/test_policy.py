@@ -183,8 +183,8 @@ def test_a_recompute_teaches_neither_line() -> None:
     for ms in (94.0, 113.0, 178.0):
         model.observe_turn(path="decode-local", computed_tokens=497, ttft_ms=ms)
     assert model.pd.samples == 0 and model.local.samples == 3
-    # H200 sweep, 2026-12-05: with the cold turns on the P/D line this turn was pulled (331 ms) although
-    # decode-local took 212 ms at the same length; an idle decode now keeps it local until pulls are measured.
+    # The H200's figures: with the cold turns on the P/D line this turn was pulled (331 ms) although
+    # decode-local took 212 ms at the same length; an idle decode keeps it local until pulls are measured.
     assert decide(model, n=497).path == "decode-local"
     for ms in (331.0, 300.0, 350.0):
         model.observe_turn(path="pull", computed_tokens=497, ttft_ms=ms)
