@@ -37,6 +37,8 @@ class TurnBook:
 
     def decided(self, turn: Turn, decision: PathDecision) -> None:
         self._sv.metrics.path_decisions_by_path[decision.path].inc()
+        if decision.prefill_busy:
+            self._sv.metrics.prefill_busy.inc()
         logger.debug(
             "path conversation_id=%s request_id=%s path=%s reason=%r",
             turn.conversation_id,
@@ -57,6 +59,8 @@ class TurnBook:
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(cached, int):
                 turn.reused_tokens = cached
+            elif turn.reuse != "local":
+                turn.reused_tokens = 0  # a turn without reusable blocks, prefilled on decode (prefill busy)
             else:
                 # vLLM < 0.33 does not report it: what decode held, which can exceed the new prompt when the
                 # answer re-tokenizes shorter; an estimate, never more than the prompt.
@@ -189,7 +193,9 @@ class TurnBook:
         if turn.ttft_ms is None or turn.prompt_tokens is None:
             return
         computed = max(turn.prompt_tokens - turn.reused_tokens, 0)
-        self._sv.cost.observe_turn(path=turn.path, computed_tokens=computed, ttft_ms=turn.ttft_ms)
+        self._sv.cost.observe_turn(
+            path=turn.path, computed_tokens=computed, reused_tokens=turn.reused_tokens, ttft_ms=turn.ttft_ms
+        )
 
     def _count(self, turn: Turn) -> None:
         m = self._sv.metrics

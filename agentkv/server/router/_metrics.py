@@ -42,6 +42,11 @@ class RouterMetrics:
         self.path_decisions = Counter(
             "agentkv_path_decisions", "Path chosen by the policy", ["path"], registry=r
         )
+        self.prefill_busy = Counter(
+            "agentkv_prefill_busy",
+            "Turns prefilled on decode because every prefill had prefill_queue_cap requests in flight",
+            registry=r,
+        )
         self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)
         self.lease_releases = Counter("agentkv_lease_releases", "Decode leases released", registry=r)
         self.backend_errors = Counter(

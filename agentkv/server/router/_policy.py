@@ -1,7 +1,8 @@
 """Routing decisions, pure and I/O-free: which P, which D, whether to reuse, and which path a turn takes.
 
 Paths: `pull` (P pulls decode's retained blocks, prefills the suffix, D pulls from P), `recompute` (P
-prefills everything), `decode-local` (the sticky D prefills the suffix from its own prefix cache, no P hop).
+prefills everything), `decode-local` (D prefills the turn itself, no P hop: the suffix over its own prefix
+cache, or the whole prompt when every prefill is saturated).
 """
 
 from __future__ import annotations
@@ -162,14 +163,17 @@ class CostModel:
     def estimate_tokens(self, chars: int) -> int:
         return math.ceil(chars / max(self.chars_per_token, 0.1))
 
-    def observe_turn(self, *, path: Path, computed_tokens: int, ttft_ms: float) -> None:
+    def observe_turn(self, *, path: Path, computed_tokens: int, reused_tokens: int, ttft_ms: float) -> None:
         """Learn from a streamed turn's first token, on the line of the path it took.
 
-        A recompute teaches neither line. Its P hop computes the whole prompt and reads nothing from decode,
-        so with cold turns on it the P/D line runs through seconds at long prompts and prices a short pull at
-        the slope of computing it, blind to what a pull costs beyond compute at that context (the P hop's
-        per-request work over every id and the read of decode's KV): on the H200 at 127k tokens it priced a
-        512-token pull below decode-local, and the pull took 331 ms where decode-local took 212."""
+        A turn that reused nothing (a recompute, a declined pull, a cold turn prefilled on a busy decode)
+        teaches neither line. It computes the whole prompt, so with such turns on it the P/D line runs
+        through seconds at long prompts and prices a short pull at the slope of computing it, blind to what
+        a pull costs beyond compute at that context (the P hop's per-request work over every id and the read
+        of decode's KV): on the H200 at 127k tokens it priced a 512-token pull below decode-local, and the
+        pull took 331 ms where decode-local took 212."""
+        if reused_tokens <= 0:
+            return
         if path == "decode-local":
             self.local.observe(computed_tokens, ttft_ms)
         elif path == "pull":
@@ -180,6 +184,8 @@ class CostModel:
 class PathDecision:
     path: Path
     reason: str
+    # Sent decode-local because every prefill was at `prefill_queue_cap` (counted apart in the metrics).
+    prefill_busy: bool = False
 
 
 # Below this many samples a line is a guess; decide by rule until both are measured.
@@ -195,20 +201,38 @@ def choose_path(
     local_max_tokens: int,
     model: CostModel,
     exact: bool = False,
+    prefill_outstanding: int = 0,
+    prefill_queue_cap: int = 0,
 ) -> PathDecision:
     """Pick the cheapest path to the first token for this turn.
 
     Decode-local prefill stalls every stream running on that decode for the suffix's duration, so its
     cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local. ``exact``:
-    never local at all, since decode would serve the prefix from KV it computed itself."""
-    if not reuse_ok:
-        return PathDecision(path="recompute", reason="no reusable blocks")
+    never local at all, since decode would serve the prefix from KV it computed itself.
+
+    Conditional disaggregation: once the least busy prefill has `prefill_queue_cap` requests in flight
+    (0: never), any turn, a cold one included, is prefilled on its decode as an aggregated server would:
+    a turn queued behind other prompts on prefill waits longer than decode's chunked prefill delays the
+    streams it runs. ``new_tokens`` is then the whole prompt for a turn without reusable blocks."""
     if policy == "always-pd":
-        return PathDecision(path="pull", reason="policy always-pd")
+        return PathDecision(
+            path="pull" if reuse_ok else "recompute",
+            reason="policy always-pd" if reuse_ok else "no reusable blocks",
+        )
+    if exact:
+        if not reuse_ok:
+            return PathDecision(path="recompute", reason="no reusable blocks")
+        return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
     if policy == "always-local":
         return PathDecision(path="decode-local", reason="policy always-local")
-    if exact:
-        return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
+    if prefill_queue_cap > 0 and prefill_outstanding >= prefill_queue_cap:
+        return PathDecision(
+            path="decode-local",
+            reason=f"prefill busy: {prefill_outstanding} in flight >= cap {prefill_queue_cap}",
+            prefill_busy=True,
+        )
+    if not reuse_ok:
+        return PathDecision(path="recompute", reason="no reusable blocks")
     if new_tokens > local_max_tokens:
         return PathDecision(path="pull", reason=f"suffix ~{new_tokens} tokens > local cap {local_max_tokens}")
     if model.pd.samples < _MIN_SAMPLES or model.local.samples < _MIN_SAMPLES:

@@ -69,7 +69,7 @@ class TurnRunner:
             decode, decision = await self._plan(turn, record, locked)
             try:
                 if decision.path == "decode-local":
-                    resp, decode = await self._decode_local(turn, decode)
+                    resp, decode = await self._decode_local(turn, record, decode)
                 else:
                     resp, decode = await self._prefill_then_decode(turn, record, decode)
             except BaseException:
@@ -184,6 +184,8 @@ class TurnRunner:
             local_max_tokens=self._s.decode_local_max_tokens,
             model=sv.cost,
             exact=self._s.exact,
+            prefill_outstanding=min((p.outstanding for p in sv.prefill if p.healthy), default=0),
+            prefill_queue_cap=self._s.prefill_queue_cap,
         )
         book.decided(turn, decision)
         turn.path = decision.path
@@ -201,8 +203,18 @@ class TurnRunner:
             return self._sv.cost.estimate_tokens(record.prefix.new_chars(turn.body))
         return self._sv.cost.estimate_tokens(prompt_chars(turn.body))
 
-    async def _decode_local(self, turn: Turn, decode: BackendState) -> tuple[httpx.Response, BackendState]:
-        turn.reuse = "local"
+    async def _decode_local(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState
+    ) -> tuple[httpx.Response, BackendState]:
+        if turn.reuse == "hit":
+            turn.reuse = "local"
+            if record is not None:
+                # A stream's headers go out before decode's usage says what its cache served: what decode
+                # holds of this prompt (its prefix cache reads whole blocks of it). `assess` corrects it
+                # where the answer reports cached tokens.
+                ids = turn.prompt_ids
+                held = record.retained_tokens
+                turn.reused_tokens = min(held, len(ids)) if ids is not None else held
         try:
             body = decode_local_body(
                 turn.body,

@@ -142,6 +142,8 @@ def decide(
     ok: bool = True,
     cap: int = 512,
     exact: bool = False,
+    prefill_load: int = 0,
+    queue_cap: int = 0,
 ):
     return choose_path(
         policy=policy,
@@ -151,6 +153,8 @@ def decide(
         local_max_tokens=cap,
         model=model,
         exact=exact,
+        prefill_outstanding=prefill_load,
+        prefill_queue_cap=queue_cap,
     )
 
 
@@ -169,6 +173,28 @@ def test_path_choice() -> None:
     assert decide(CostModel(), n=50, exact=True).path == "pull"
 
 
+def test_a_saturated_prefill_sends_every_turn_to_decode() -> None:
+    """Conditional disaggregation: at the queue cap a turn is prefilled on decode whatever its length or the
+    lines say, a cold one (no reusable blocks) included; below it, or in exact mode, nothing changes."""
+    model = trained(pd=(40, 0.1), local=(0, 0.3))
+    busy = decide(model, n=16_000, ok=False, prefill_load=4, queue_cap=4)
+    assert (busy.path, busy.prefill_busy) == ("decode-local", True)
+    assert decide(model, n=400, load=8, prefill_load=5, queue_cap=4).path == "decode-local"  # over the cap
+    assert decide(model, n=16_000, ok=False, prefill_load=3, queue_cap=4).path == "recompute"
+    assert decide(model, n=400, prefill_load=3, queue_cap=4).path == "pull"
+    assert decide(model, n=16_000, ok=False, prefill_load=99, queue_cap=0).path == "recompute"  # 0: off
+    assert decide(model, n=400, prefill_load=9, queue_cap=4, exact=True).path == "pull"
+    assert decide(model, n=400, ok=False, prefill_load=9, queue_cap=4, exact=True).path == "recompute"
+    assert decide(model, n=400, prefill_load=9, queue_cap=4, policy="always-pd").path == "pull"
+    assert not decide(model, n=50).prefill_busy
+
+
+def test_always_local_prefills_cold_turns_on_decode_too() -> None:
+    model = trained(pd=(40, 0.1), local=(0, 0.3))
+    assert decide(model, n=16_000, ok=False, policy="always-local").path == "decode-local"
+    assert decide(model, n=16_000, ok=False, policy="always-pd").path == "recompute"
+
+
 def test_path_choice_before_costs_are_measured() -> None:
     assert decide(CostModel(), n=50).path == "decode-local"
     assert decide(CostModel(), n=50, load=1).path == "pull"
@@ -179,15 +205,18 @@ def test_a_recompute_teaches_neither_line() -> None:
     line predicts a 512-token pull at the cost of computing 512 tokens, far below what the pull costs."""
     model = CostModel()
     for prompt, ms in ((32_773, 1_480.0), (65_541, 3_830.0), (98_309, 7_221.0), (126_981, 11_169.0)):
-        model.observe_turn(path="recompute", computed_tokens=prompt, ttft_ms=ms)
+        model.observe_turn(path="recompute", computed_tokens=prompt, reused_tokens=0, ttft_ms=ms)
+        # A cold turn prefilled on a busy decode, and a pull prefill declined: the whole prompt computed too.
+        model.observe_turn(path="decode-local", computed_tokens=prompt, reused_tokens=0, ttft_ms=ms)
+        model.observe_turn(path="pull", computed_tokens=prompt, reused_tokens=0, ttft_ms=ms)
     for ms in (94.0, 113.0, 178.0):
-        model.observe_turn(path="decode-local", computed_tokens=497, ttft_ms=ms)
+        model.observe_turn(path="decode-local", computed_tokens=497, reused_tokens=126_981, ttft_ms=ms)
     assert model.pd.samples == 0 and model.local.samples == 3
     # The H200's figures: with the cold turns on the P/D line this turn was pulled (331 ms) although
     # decode-local took 212 ms at the same length; an idle decode keeps it local until pulls are measured.
     assert decide(model, n=497).path == "decode-local"
     for ms in (331.0, 300.0, 350.0):
-        model.observe_turn(path="pull", computed_tokens=497, ttft_ms=ms)
+        model.observe_turn(path="pull", computed_tokens=497, reused_tokens=126_981, ttft_ms=ms)
     assert model.pd.samples == 3
     assert decide(model, n=497).path == "decode-local"  # ~128 ms < ~327 ms
     assert decide(model, n=497, load=3).path == "pull"  # a busy decode: ~514 ms > ~327 ms

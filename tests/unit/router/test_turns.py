@@ -555,11 +555,15 @@ async def test_decode_local_path_skips_prefill(engines: FakeEngines, make_client
     # Decode (with our connector) holds more than the next prompt: the reuse reported is capped by it.
     engines.d_generated_tokens = 10_000
     async with make_client(path_policy="always-local", exact=False) as client:
-        first = (await chat(client, USER1)).json()
+        cold = await chat(client, USER1)
+        first = cold.json()
         r = await chat(client, next_messages(USER1, first))
+    # The cold turn too: decode computes the whole prompt and retains it, reusing nothing.
+    assert (cold.headers["x-agentkv-path"], cold.headers["x-agentkv-reuse"]) == ("decode-local", "miss")
+    assert cold.headers["x-agentkv-reused-tokens"] == "0"
     assert r.headers["x-agentkv-path"] == "decode-local" and r.headers["x-agentkv-reuse"] == "local"
     assert 0 < int(r.headers["x-agentkv-reused-tokens"]) <= r.json()["usage"]["prompt_tokens"]
-    assert len(engines.completions("p")) == 1
+    assert engines.completions("p") == []
     assert engines.completions("d0")[1]["kv_transfer_params"] == {
         "agentkv_retain": True,
         OFFER_DECODED_KEY: True,
@@ -594,7 +598,8 @@ async def test_decode_local_falls_back_to_prefill_when_sticky_decode_is_gone(
         r = await chat(client, next_messages(USER1, first))
     assert r.status_code == 200
     assert r.headers["x-agentkv-path"] == "recompute" and r.headers["x-agentkv-reuse"] == "miss"
-    assert len(engines.completions("p")) == 2 and len(engines.completions("d1")) == 1
+    # The cold turn ran on d0 alone (always-local); the fallback is prefill's only turn.
+    assert len(engines.completions("p")) == 1 and len(engines.completions("d1")) == 1
 
 
 async def test_failed_pull_forgets_the_consumed_blocks(engines: FakeEngines, make_client) -> None:
@@ -692,3 +697,56 @@ async def test_a_refused_token_makes_decode_look_stock_and_says_so_once(
         for _ in range(3):
             assert await router.leases.probe(d0) is False
     assert sum("set AGENTKV_SERVICE_TOKEN" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_saturated_prefill_sends_a_cold_turn_to_decode(engines: FakeEngines, make_client) -> None:
+    """Conditional disaggregation: with both prefills at the queue cap, a new conversation's first turn is
+    prefilled on decode (no P hop) and retained there; once prefill drains, turns take P again."""
+    gate = asyncio.Event()
+    stalled_hops: list[str] = []
+    handle = engines.handle
+
+    async def stalled(request: httpx.Request) -> httpx.Response:
+        if request.url.host.startswith("p") and b"stall" in request.content:
+            stalled_hops.append(request.url.host)
+            await gate.wait()
+        return await handle(request)
+
+    engines.handle = stalled  # type: ignore[method-assign]
+    stall = [{"role": "user", "content": "stall here"}]
+    async with make_client(path_policy="auto", prefill_queue_cap=1, exact=False) as client:
+        held = [asyncio.create_task(chat(client, stall, cid=f"s{i}")) for i in range(2)]
+        while len(stalled_hops) < 2:
+            await asyncio.sleep(0.01)
+        assert sorted(stalled_hops) == ["p0.test", "p1.test"]
+        busy = await chat(client, USER1, cid="c1")
+        gate.set()
+        await asyncio.gather(*held)
+        calm = await chat(client, USER1, cid="c2")
+        metrics = (await client.get("/metrics")).text
+    assert busy.status_code == 200
+    assert (busy.headers["x-agentkv-path"], busy.headers["x-agentkv-reuse"]) == ("decode-local", "miss")
+    assert busy.headers["x-agentkv-lease-expires-in"]  # decode retained the prompt it computed
+    assert [c["messages"] for c in engines.completions("p")].count(USER1) == 1  # the calm turn's
+    assert calm.headers["x-agentkv-path"] == "recompute"
+    assert "agentkv_prefill_busy_total 1.0" in metrics
+
+
+async def test_a_streamed_decode_local_turn_reports_what_decode_held(
+    engines: FakeEngines, make_client
+) -> None:
+    """A stream's headers leave before decode's usage: they carry what decode holds of the prompt, as the
+    JSON answer of the same turn does."""
+    async with make_client(path_policy="always-local", exact=False) as client:
+        answers = {}
+        for cid, stream in (("c1", True), ("c2", False)):
+            first = (await chat(client, USER1, cid=cid)).json()
+            answers[cid] = await chat(client, next_messages(USER1, first), cid=cid, stream=stream)
+    streamed, whole = answers["c1"], answers["c2"]
+    assert (
+        streamed.headers["x-agentkv-path"] == "decode-local"
+        and streamed.headers["x-agentkv-reuse"] == "local"
+    )
+    assert (
+        int(streamed.headers["x-agentkv-reused-tokens"]) == int(whole.headers["x-agentkv-reused-tokens"]) > 0
+    )
