@@ -103,6 +103,13 @@ def router_auto(clusters: Clusters, cluster: Cluster) -> RouterProc:
 
 
 @pytest.fixture(scope="module")
+def router_local(clusters: Clusters, cluster: Cluster) -> RouterProc:
+    """Reuse ON, every turn prefilled on decode, cold ones too (what conditional disaggregation does once
+    prefill is saturated): prefill only renders."""
+    return clusters.router("local", "--no-exact", "--path-policy", "always-local")
+
+
+@pytest.fixture(scope="module")
 def router_off_inexact(clusters: Clusters, cluster: Cluster) -> RouterProc:
     """Reuse OFF without exact mode: decode's prefix cache serves what it holds, as in stock P/D. The
     baseline for the non-exact router, which computes with the same decode-held KV."""

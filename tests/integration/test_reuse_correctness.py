@@ -101,6 +101,46 @@ def test_short_tool_result_goes_decode_local_and_long_document_goes_to_prefill(
     report(f"path choice (not exact): {paths}, token ids equal to OFF: {same}")
 
 
+def test_a_cold_turn_prefilled_on_decode_is_retained_and_reused_there(
+    cluster: Cluster, router_local: RouterProc, router_off_inexact: RouterProc, report: Callable[[str], None]
+) -> None:
+    """The path conditional disaggregation sends turns down when prefill is saturated, on the real engines:
+    the cold turn's whole prompt is computed by decode (prefill's engine computes nothing), decode retains
+    it, and the next turn reuses it there. Answers compared with the non-exact OFF router by first-token
+    logprob (decode's prefill chunk and prefill's own prefill round differently)."""
+    p, d = cluster.prefills[0].spec.url, cluster.decodes[0].spec.url
+
+    def computed() -> tuple[float, float]:
+        name = "vllm:prompt_tokens_by_source_total"
+        return metric(p, name, source="local_compute"), metric(d, name, source="local_compute")
+
+    script = conversation_script(210, 1)
+    cid = new_id("cold-local")
+    h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
+    turns = []
+    for step in (None, {"role": "user", "content": "tool result: 7 rows"}):
+        if step is not None:
+            h.append(step)
+        p0, d0 = computed()
+        on = chat(router_local.url, h, conversation_id=cid)
+        p1, d1 = computed()
+        off = chat(router_off_inexact.url, h)
+        turns.append((on, off, p1 - p0, d1 - d0))
+        h.append({"role": "assistant", "content": on.text})
+    (cold, _, cold_p, cold_d), (warm, _, warm_p, warm_d) = turns
+    assert (cold.headers["x-agentkv-path"], cold.headers["x-agentkv-reuse"]) == ("decode-local", "miss")
+    assert cold.headers.get("x-agentkv-lease-expires-in"), cold.headers  # decode retained what it computed
+    assert cold_p == 0 and cold_d > 100, (cold_p, cold_d)
+    assert (warm.headers["x-agentkv-path"], warm.headers["x-agentkv-reuse"]) == ("decode-local", "local")
+    assert warm_p == 0 and 0 < warm_d < cold_d / 2, (warm_p, warm_d, cold_d)
+    for on, off, *_ in turns:
+        assert abs(on.logprobs[0] - off.logprobs[0]) < 0.05, (on.logprobs[:3], off.logprobs[:3])
+    report(
+        f"cold turn on decode: decode computed {cold_d:.0f} tokens, prefill 0; next turn {warm_d:.0f}; "
+        f"token ids equal to OFF: {[on.ids == off.ids for on, off, *_ in turns]}"
+    )
+
+
 def _chain_share(before: dict[str, int], after: dict[str, int]) -> str:
     """Blocks fingerprinted from an earlier turn's chain, of all blocks fingerprinted, between two stats."""
     reused = after["fingerprint_blocks_reused"] - before["fingerprint_blocks_reused"]
