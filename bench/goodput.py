@@ -360,6 +360,7 @@ def run_leg(
                     result["steps"].append({"rate": rate, "skipped": f"budget ({left:.0f} s left)"})
                     continue
                 plans = _plans(args, rate, index)
+                paths_before = router_paths(url) if leg != "agg" else {}
                 start = watch.snapshot().t_s
                 run = asyncio.run(
                     run_step(
@@ -387,6 +388,9 @@ def run_leg(
                     "engines": engines,
                     "limits": limits(summary, engines, slo),
                 }
+                if leg != "agg":
+                    after = router_paths(url)
+                    step["router_paths"] = {k: v - paths_before.get(k, 0.0) for k, v in after.items()}
                 if args.records:
                     step["records"] = records_json(run.records)
                 result["steps"].append(step)
@@ -404,6 +408,25 @@ def run_leg(
         deployment.leg_done()
     result["knee"] = knee(result["steps"])
     return result
+
+
+def router_paths(url: str) -> dict[str, float]:
+    """The router's path decisions so far, by path, and how many were made because prefill was saturated
+    (``prefill_busy``; the router's ``prefill_queue_cap``); empty when the router does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "agentkv_path_decisions_total":
+                out[sample.labels["path"]] = float(sample.value)
+            elif sample.name == "agentkv_prefill_busy_total":
+                out["prefill_busy"] = float(sample.value)
+    return out
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -23,7 +23,7 @@ from bench._agentload import (
 )
 from bench._engine_metrics import CONNECTOR, VLLM, Sample, digest, parse, series
 from bench._trace import Conversation, Request
-from bench.goodput import _kv_config_item, groups, limits, router_settings, targets
+from bench.goodput import _kv_config_item, groups, limits, router_paths, router_settings, targets
 
 VLLM_TEXT = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -319,3 +319,21 @@ def test_kv_config_items_read_json_values_and_refuse_a_missing_key() -> None:
     for bad in ("no_equals", "=1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _kv_config_item(bad)
+
+
+def test_router_paths_reads_the_routers_own_metric_names() -> None:
+    """Read from the exposition the router itself renders, so a renamed metric fails here."""
+    import respx
+
+    from agentkv.server.router._metrics import RouterMetrics
+
+    metrics = RouterMetrics()
+    metrics.path_decisions_by_path["decode-local"].inc(3)
+    metrics.path_decisions_by_path["pull"].inc()
+    metrics.prefill_busy.inc(2)
+    with respx.mock:
+        respx.get("http://router.test/metrics").mock(
+            return_value=httpx.Response(200, content=metrics.render())
+        )
+        got = router_paths("http://router.test")
+    assert got == {"pull": 1.0, "recompute": 0.0, "decode-local": 3.0, "prefill_busy": 2.0}
