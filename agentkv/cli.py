@@ -177,6 +177,10 @@ def up(
     router_port: Annotated[int | None, typer.Option(help="Router port (default 8000).")] = None,
     bidirectional: Annotated[bool | None, typer.Option(help="Decode -> prefill KV transfer.")] = None,
     lease_s: Annotated[float | None, typer.Option(help="Decode-side lease on retained blocks.")] = None,
+    gpus: Annotated[
+        str | None,
+        typer.Option(help="GPU per engine, prefills first, ';'-separated: '0;1', or '0,1;2,3' for TP 2."),
+    ] = None,
     foreground: Annotated[bool, typer.Option(help="Stay attached; Ctrl-C stops everything.")] = False,
 ) -> None:
     """Start a local xPyD cluster (default 1P1D) and the router; print where everything listens."""
@@ -188,6 +192,7 @@ def up(
         router_port=router_port,
         bidirectional=bidirectional,
         lease_s=lease_s,
+        gpus=gpus.split(";") if gpus else None,
     )
     try:
         if model is not None:

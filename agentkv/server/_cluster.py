@@ -79,6 +79,9 @@ class ClusterConfig:
     log_dir: Path = Path(".agentkv/logs")
     router_env: dict[str, str] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every engine
+    # CUDA_VISIBLE_DEVICES per engine, prefills first then decodes ("0", "1" or "0,1" for tensor parallel):
+    # without it every engine sees every device and vLLM puts them all on the first.
+    gpus: list[str] = field(default_factory=list)
     tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     forwarded_ids: ForwardedIdsMode = "on"  # the same plugin: decode < 0.32 runs the router's forwarded ids
@@ -100,6 +103,14 @@ class ClusterConfig:
             raise ConfigError(f"tokenizer_cache must be on, off or verify, not {self.tokenizer_cache!r}")
         if self.forwarded_ids not in FORWARDED_IDS_MODES:
             raise ConfigError(f"forwarded_ids must be on, off or always, not {self.forwarded_ids!r}")
+        if self.gpus and len(self.gpus) != self.n_prefill + self.n_decode:
+            raise ConfigError(
+                f"gpus needs one entry per engine, prefills first: {self.n_prefill + self.n_decode}, "
+                f"not {len(self.gpus)}"
+            )
+        self.gpus = [str(g).strip() for g in self.gpus]
+        if any(not g or not all(part.strip().isdigit() for part in g.split(",")) for g in self.gpus):
+            raise ConfigError(f"gpus entries are device indices such as '0' or '0,1', not {self.gpus!r}")
         self.log_dir = Path(self.log_dir)
 
     @classmethod
@@ -160,6 +171,12 @@ class ClusterConfig:
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},
         )
+
+        def placed(index: int) -> dict[str, Any]:
+            if not self.gpus:
+                return common
+            return {**common, "env": {**common["env"], "CUDA_VISIBLE_DEVICES": self.gpus[index]}}
+
         out = []
         for i in range(self.n_prefill):
             port = self.prefill_port + i
@@ -175,7 +192,7 @@ class ClusterConfig:
                         cpu_core=i % ncpu if pin else None,
                         extra_args=[*self.extra_args, *self.prefill_args],
                         log_path=self.log_dir / f"prefill{i}.log",
-                        **common,
+                        **placed(i),
                     ),
                 )
             )
@@ -193,7 +210,7 @@ class ClusterConfig:
                         cpu_core=(self.n_prefill + i) % ncpu if pin else None,
                         extra_args=[*self.extra_args, *self.decode_args],
                         log_path=self.log_dir / f"decode{i}.log",
-                        **common,
+                        **placed(self.n_prefill + i),
                     ),
                 )
             )

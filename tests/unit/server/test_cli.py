@@ -183,6 +183,10 @@ def test_up_with_an_impossible_cluster_fails_cleanly(tmp_path: Path) -> None:
     assert missing.exit_code == 1
     assert "does not exist" in flat(missing.output)
     assert "Traceback" not in result.output + missing.output
+    # --gpus reaches the cluster's config: one entry per engine, checked before anything starts.
+    short = invoke("up", "--model", str(tmp_path), "--gpus", "0")
+    assert short.exit_code == 1
+    assert "gpus needs one entry per engine, prefills first: 2, not 1" in flat(short.output)
 
 
 def test_warm_up_of_an_unreachable_pair_is_one_clear_error() -> None:

@@ -121,6 +121,18 @@ def test_cpu_engines_are_pinned_only_when_each_gets_its_own_core(monkeypatch: py
     assert all(s.env["OMP_NUM_THREADS"] == "2" for _, s in mine)
 
 
+def test_each_engine_gets_its_own_gpus_in_order_prefills_first() -> None:
+    specs = ClusterConfig(model="/m", device="gpu", n_prefill=1, n_decode=2, gpus=["0", "1", "2,3"]).specs()
+    got = {name: build_command(spec)[1].get("CUDA_VISIBLE_DEVICES") for name, spec in specs}
+    assert got == {"prefill0": "0", "decode0": "1", "decode1": "2,3"}
+    shared = ClusterConfig(model="/m", device="gpu").specs()
+    assert all("CUDA_VISIBLE_DEVICES" not in build_command(spec)[1] for _, spec in shared)
+    with pytest.raises(ConfigError, match="one entry per engine, prefills first: 2, not 1"):
+        ClusterConfig(model="/m", gpus=["0"])
+    with pytest.raises(ConfigError, match="device indices"):
+        ClusterConfig(model="/m", gpus=["0", "cuda:1"])
+
+
 def test_engine_check_refuses_an_unsupported_installed_vllm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
