@@ -238,6 +238,8 @@ def _print_cluster(info: dict[str, Any]) -> None:
         out.print(_warm_up_line(w))
     if info["router"]:
         out.print(f"router (OpenAI API): [bold]{info['router']}/v1[/]")
+        if info.get("router_path_policy", "auto") != "auto":
+            out.print(f"router path policy: {info['router_path_policy']}")
 
 
 def _warm_up_line(w: dict[str, Any]) -> str:

@@ -140,6 +140,28 @@ class ClusterConfig:
             data = {**default_model(), **data}
         return cls(**data)
 
+    def shares_a_gpu(self) -> bool:
+        """Whether a prefill and a decode run on the same GPU (no `gpus`, or one listed for both roles)."""
+        if (self.device or detect_device()) != "gpu":
+            return False
+        if not self.gpus:
+            return True
+
+        def devices(entries: list[str]) -> set[str]:
+            return {d.strip() for entry in entries for d in entry.split(",")}
+
+        return bool(devices(self.gpus[: self.n_prefill]) & devices(self.gpus[self.n_prefill :]))
+
+    def router_environment(self) -> dict[str, str]:
+        """`router_env`, plus `always-local` where P and D share a GPU and the user chose no path policy:
+        there the split buys no isolation, and prefilling every turn on decode matched an aggregated
+        server's goodput where the default paths did not (bench/README.md, "Goodput at equal loads")."""
+        env = dict(self.router_env)
+        exact = env.get("AGENTKV_EXACT", "").strip().lower() in ("1", "true", "yes", "on")
+        if "AGENTKV_PATH_POLICY" not in env and not exact and self.shares_a_gpu():
+            env["AGENTKV_PATH_POLICY"] = "always-local"
+        return env
+
     def specs(self) -> list[tuple[str, EngineSpec]]:
         device = self.device or detect_device()
         ncpu = os.cpu_count() or 1
@@ -284,7 +306,7 @@ class Cluster:
             prefill=[e.spec.url for e in self.prefills],
             decode=[e.spec.url for e in self.decodes],
             log=cfg.log_dir / "router.log",
-            env=cfg.router_env,
+            env=cfg.router_environment(),
         )
 
     def stop_router(self) -> None:
@@ -321,6 +343,7 @@ class Cluster:
                 for e in self.engines
             ],
             "warm_ups": [asdict(w) for w in self.warm_ups],
+            "router_path_policy": self.config.router_environment().get("AGENTKV_PATH_POLICY", "auto"),
             "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()},
         }
 

@@ -133,6 +133,22 @@ def test_each_engine_gets_its_own_gpus_in_order_prefills_first() -> None:
         ClusterConfig(model="/m", gpus=["0", "cuda:1"])
 
 
+def test_a_shared_gpu_gets_a_router_that_prefills_every_turn_on_decode() -> None:
+    shared = ClusterConfig(model="/m", device="gpu")
+    assert shared.shares_a_gpu()
+    assert shared.router_environment() == {"AGENTKV_PATH_POLICY": "always-local"}
+    assert ClusterConfig(model="/m", device="gpu", gpus=["0", "0"]).shares_a_gpu()
+    assert ClusterConfig(model="/m", device="gpu", n_decode=2, gpus=["0,1", "2", "1"]).shares_a_gpu()
+    apart = ClusterConfig(model="/m", device="gpu", n_decode=2, gpus=["0", "1", "2,3"])
+    assert not apart.shares_a_gpu() and apart.router_environment() == {}
+    assert ClusterConfig(model="/m", device="cpu").router_environment() == {}
+    # The user's choice wins, and exact mode (which never prefills on decode) is left alone.
+    mine = ClusterConfig(model="/m", device="gpu", router_env={"AGENTKV_PATH_POLICY": "auto"})
+    assert mine.router_environment() == {"AGENTKV_PATH_POLICY": "auto"}
+    exact = ClusterConfig(model="/m", device="gpu", router_env={"AGENTKV_EXACT": "true"})
+    assert exact.router_environment() == {"AGENTKV_EXACT": "true"}
+
+
 def test_engine_check_refuses_an_unsupported_installed_vllm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
