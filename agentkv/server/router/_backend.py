@@ -75,6 +75,8 @@ class BackendState:
     backend: Backend
     healthy: bool = True
     outstanding: int = 0
+    # Of those, P hops (prompts being computed), not renders: what conditional disaggregation reads.
+    prefilling: int = 0
     # Turns placed here without stickiness: breaks ties between idle backends, so conversations that
     # arrive one at a time spread out instead of all landing on the first configured decode.
     placed: int = 0
@@ -108,6 +110,15 @@ class BackendState:
     def inflight(self) -> contextlib.AbstractContextManager[None]:
         """One request counted in `outstanding` (what the choosers balance on) for as long as it runs."""
         return _InFlight(self)
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[None]:
+        """One P hop counted in `prefilling` while it runs."""
+        self.prefilling += 1
+        try:
+            yield
+        finally:
+            self.prefilling -= 1
 
     def saw_registration(self, registration: Registration) -> None:
         if registration.engine_id is not None and (

@@ -44,7 +44,7 @@ class RouterMetrics:
         )
         self.prefill_busy = Counter(
             "agentkv_prefill_busy",
-            "Turns prefilled on decode because every prefill had prefill_queue_cap requests in flight",
+            "Turns prefilled on decode because every prefill had prefill_queue_cap P hops in flight",
             registry=r,
         )
         self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)

@@ -184,7 +184,7 @@ class CostModel:
 class PathDecision:
     path: Path
     reason: str
-    # Sent decode-local because every prefill was at `prefill_queue_cap` (counted apart in the metrics).
+    # Decode-local because every prefill was at `prefill_queue_cap` P hops (counted apart in the metrics).
     prefill_busy: bool = False
 
 
@@ -210,10 +210,11 @@ def choose_path(
     cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local. ``exact``:
     never local at all, since decode would serve the prefix from KV it computed itself.
 
-    Conditional disaggregation: once the least busy prefill has `prefill_queue_cap` requests in flight
-    (0: never), any turn, a cold one included, is prefilled on its decode as an aggregated server would:
-    a turn queued behind other prompts on prefill waits longer than decode's chunked prefill delays the
-    streams it runs. ``new_tokens`` is then the whole prompt for a turn without reusable blocks."""
+    Conditional disaggregation: once the least busy prefill computes `prefill_queue_cap` prompts at once
+    (P hops in flight, renders not counted; 0: never), any turn, a cold one included, is prefilled on its
+    decode as an aggregated server would: a turn queued behind other prompts on prefill waits longer than
+    decode's chunked prefill delays the streams it runs. ``new_tokens`` is then the whole prompt for a turn
+    without reusable blocks."""
     if policy == "always-pd":
         return PathDecision(
             path="pull" if reuse_ok else "recompute",

@@ -184,7 +184,7 @@ class TurnRunner:
             local_max_tokens=self._s.decode_local_max_tokens,
             model=sv.cost,
             exact=self._s.exact,
-            prefill_outstanding=min((p.outstanding for p in sv.prefill if p.healthy), default=0),
+            prefill_outstanding=min((p.prefilling for p in sv.prefill if p.healthy), default=0),
             prefill_queue_cap=self._s.prefill_queue_cap,
         )
         book.decided(turn, decision)
@@ -256,12 +256,13 @@ class TurnRunner:
         t0 = time.perf_counter()
 
         async def attempt(p: BackendState) -> dict[str, Any]:
-            if rendered is not None:
-                return await self._token_prefill(p, turn, rendered, prefill_params(retained))
-            body = prefill_body(turn.body, retained, responses=turn.dialect == "responses")
-            return await sv.hops.post_json(
-                p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
-            )
+            with p.computing():
+                if rendered is not None:
+                    return await self._token_prefill(p, turn, rendered, prefill_params(retained))
+                body = prefill_body(turn.body, retained, responses=turn.dialect == "responses")
+                return await sv.hops.post_json(
+                    p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
+                )
 
         prefill, answer = await with_failover(
             choose, attempt, role="prefill", mark_down=self._s.health_interval_s > 0

@@ -750,3 +750,29 @@ async def test_a_streamed_decode_local_turn_reports_what_decode_held(
     assert (
         int(streamed.headers["x-agentkv-reused-tokens"]) == int(whole.headers["x-agentkv-reused-tokens"]) > 0
     )
+
+
+async def test_renders_in_flight_do_not_make_a_prefill_busy(engines: FakeEngines, make_client) -> None:
+    """Renders run on prefill's API server, not its engine: two stalled renders leave the cap unreached."""
+    engines.renders = True
+    gate = asyncio.Event()
+    stalled_renders: list[str] = []
+    handle = engines.handle
+
+    async def stalled(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/render") and b"stall" in request.content:
+            stalled_renders.append(request.url.host)
+            await gate.wait()
+        return await handle(request)
+
+    engines.handle = stalled  # type: ignore[method-assign]
+    stall = [{"role": "user", "content": "stall here"}]
+    async with make_client(path_policy="auto", prefill_queue_cap=1, exact=False, tokens=True) as client:
+        held = [asyncio.create_task(chat(client, stall, cid=f"s{i}")) for i in range(2)]
+        while len(stalled_renders) < 2:
+            await asyncio.sleep(0.01)
+        r = await chat(client, USER1, cid="c1")
+        gate.set()
+        await asyncio.gather(*held)
+    assert sorted(stalled_renders) == ["p0.test", "p1.test"]
+    assert r.headers["x-agentkv-path"] == "recompute"
