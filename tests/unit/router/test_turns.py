@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -699,29 +701,49 @@ async def test_a_refused_token_makes_decode_look_stock_and_says_so_once(
     assert sum("set AGENTKV_SERVICE_TOKEN" in r.getMessage() for r in caplog.records) == 1
 
 
+STALL = [{"role": "user", "content": "stall here"}]
+
+
+class StalledPrefills:
+    """Holds the prefill requests of conversations whose message says "stall" (on ``path`` only, when
+    given). Made before the router's client, whose transport takes the engines' handler when it is built;
+    ``async with stalls.holding(client)`` starts one such conversation per prefill, waits until both
+    prefills hold one, and lets them go at the end."""
+
+    def __init__(self, engines: FakeEngines, *, path: str | None = None) -> None:
+        self.hosts: list[str] = []
+        self._gate = asyncio.Event()
+        handle = engines.handle
+
+        async def stalled(request: httpx.Request) -> httpx.Response:
+            on_path = path is None or request.url.path.endswith(path)
+            if request.url.host.startswith("p") and on_path and b"stall" in request.content:
+                self.hosts.append(request.url.host)
+                await self._gate.wait()
+            return await handle(request)
+
+        engines.handle = stalled  # type: ignore[method-assign]
+
+    @contextlib.asynccontextmanager
+    async def holding(self, client: httpx.AsyncClient) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(chat(client, STALL, cid=f"s{i}")) for i in range(2)]
+        while len(self.hosts) < 2:
+            await asyncio.sleep(0.01)
+        assert sorted(self.hosts) == ["p0.test", "p1.test"]
+        try:
+            yield
+        finally:
+            self._gate.set()
+            await asyncio.gather(*tasks)
+
+
 async def test_a_saturated_prefill_sends_a_cold_turn_to_decode(engines: FakeEngines, make_client) -> None:
     """Conditional disaggregation: with both prefills at the queue cap, a new conversation's first turn is
     prefilled on decode (no P hop) and retained there; once prefill drains, turns take P again."""
-    gate = asyncio.Event()
-    stalled_hops: list[str] = []
-    handle = engines.handle
-
-    async def stalled(request: httpx.Request) -> httpx.Response:
-        if request.url.host.startswith("p") and b"stall" in request.content:
-            stalled_hops.append(request.url.host)
-            await gate.wait()
-        return await handle(request)
-
-    engines.handle = stalled  # type: ignore[method-assign]
-    stall = [{"role": "user", "content": "stall here"}]
+    stalls = StalledPrefills(engines)
     async with make_client(path_policy="auto", prefill_queue_cap=1, exact=False) as client:
-        held = [asyncio.create_task(chat(client, stall, cid=f"s{i}")) for i in range(2)]
-        while len(stalled_hops) < 2:
-            await asyncio.sleep(0.01)
-        assert sorted(stalled_hops) == ["p0.test", "p1.test"]
-        busy = await chat(client, USER1, cid="c1")
-        gate.set()
-        await asyncio.gather(*held)
+        async with stalls.holding(client):
+            busy = await chat(client, USER1, cid="c1")
         calm = await chat(client, USER1, cid="c2")
         metrics = (await client.get("/metrics")).text
     assert busy.status_code == 200
@@ -755,24 +777,8 @@ async def test_a_streamed_decode_local_turn_reports_what_decode_held(
 async def test_renders_in_flight_do_not_make_a_prefill_busy(engines: FakeEngines, make_client) -> None:
     """Renders run on prefill's API server, not its engine: two stalled renders leave the cap unreached."""
     engines.renders = True
-    gate = asyncio.Event()
-    stalled_renders: list[str] = []
-    handle = engines.handle
-
-    async def stalled(request: httpx.Request) -> httpx.Response:
-        if request.url.path.endswith("/render") and b"stall" in request.content:
-            stalled_renders.append(request.url.host)
-            await gate.wait()
-        return await handle(request)
-
-    engines.handle = stalled  # type: ignore[method-assign]
-    stall = [{"role": "user", "content": "stall here"}]
-    async with make_client(path_policy="auto", prefill_queue_cap=1, exact=False, tokens=True) as client:
-        held = [asyncio.create_task(chat(client, stall, cid=f"s{i}")) for i in range(2)]
-        while len(stalled_renders) < 2:
-            await asyncio.sleep(0.01)
+    stalls = StalledPrefills(engines, path="/render")
+    settings = {"path_policy": "auto", "prefill_queue_cap": 1, "exact": False, "tokens": True}
+    async with make_client(**settings) as client, stalls.holding(client):
         r = await chat(client, USER1, cid="c1")
-        gate.set()
-        await asyncio.gather(*held)
-    assert sorted(stalled_renders) == ["p0.test", "p1.test"]
     assert r.headers["x-agentkv-path"] == "recompute"
