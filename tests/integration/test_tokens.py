@@ -448,4 +448,8 @@ def test_answers_stream_the_text_of_their_ids_with_the_detokenizer_primed_by_the
         assert len(_render_ids(cluster.prefills[0].spec.url, history, add_generation_prompt=True)) > 4 * 128
         # Decode streamed this answer through a detokenizer primed with the tail.
         assert metric(d_metrics, "agentkv_detokenizer_tail_primes_total") > primed, stream
-        assert turn.ids and turn.text == tokenizer.decode(turn.ids, skip_special_tokens=True), stream
+        expected = tokenizer.decode(turn.ids, skip_special_tokens=True)
+        # An answer cut by max_tokens inside a multi-byte character: vLLM's detokenizer withholds the
+        # incomplete bytes, where the tokenizer's decode writes U+FFFD. Only that tail is excused.
+        complete = expected.rstrip("\ufffd")
+        assert turn.ids and turn.text in (expected, complete), (stream, turn.text[-20:], expected[-20:])
