@@ -344,12 +344,26 @@ class Cluster:
             ],
             "warm_ups": [asdict(w) for w in self.warm_ups],
             "router_path_policy": self.config.router_environment().get("AGENTKV_PATH_POLICY", "auto"),
-            "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(self.config).items()},
+            "config": {k: _stateable(k, v) for k, v in asdict(self.config).items()},
         }
 
     def write_state(self, path: Path = DEFAULT_STATE) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.describe(), indent=2))
+
+
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def _stateable(name: str, value: Any) -> Any:
+    """A config value as the state file keeps it: paths as text; in the environments, the values of
+    variables named like secrets (AGENTKV_API_KEYS, AGENTKV_SERVICE_TOKEN) masked, since the file outlives
+    the process and is written with the user's default permissions."""
+    if isinstance(value, Path):
+        return str(value)
+    if name in ("env", "router_env"):
+        return {k: "***" if any(w in k.upper() for w in _SECRET_WORDS) else v for k, v in value.items()}
+    return value
 
 
 def stop_from_state(path: Path = DEFAULT_STATE) -> list[str]:

@@ -215,3 +215,21 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
         ClusterConfig(model="/m", tokenizer_cache="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="forwarded_ids"):
         ClusterConfig(model="/m", forwarded_ids="sometimes")  # type: ignore[arg-type]
+
+
+def test_the_state_file_masks_secrets_in_the_environments(tmp_path: Path) -> None:
+    from agentkv.server._cluster import Cluster
+
+    config = ClusterConfig(
+        model=str(tmp_path),
+        device="cpu",
+        router_env={"AGENTKV_API_KEYS": "sk-1,sk-2", "AGENTKV_PATH_POLICY": "auto"},
+        env={"AGENTKV_SERVICE_TOKEN": "t0ken", "OMP_NUM_THREADS": "2"},
+    )
+    state = tmp_path / "cluster.json"
+    Cluster(config=config).write_state(state)
+    saved = json.loads(state.read_text())["config"]
+    assert saved["router_env"] == {"AGENTKV_API_KEYS": "***", "AGENTKV_PATH_POLICY": "auto"}
+    assert saved["env"] == {"AGENTKV_SERVICE_TOKEN": "***", "OMP_NUM_THREADS": "2"}
+    assert "sk-1" not in state.read_text() and "t0ken" not in state.read_text()
+    assert saved["log_dir"] == ".agentkv/logs"
