@@ -215,25 +215,21 @@ def choose_path(
     decode as an aggregated server would: a turn queued behind other prompts on prefill waits longer than
     decode's chunked prefill delays the streams it runs. ``new_tokens`` is then the whole prompt for a turn
     without reusable blocks."""
-    if policy == "always-pd":
-        return PathDecision(
-            path="pull" if reuse_ok else "recompute",
-            reason="policy always-pd" if reuse_ok else "no reusable blocks",
-        )
-    if exact:
-        if not reuse_ok:
-            return PathDecision(path="recompute", reason="no reusable blocks")
-        return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
-    if policy == "always-local":
-        return PathDecision(path="decode-local", reason="policy always-local")
-    if prefill_queue_cap > 0 and prefill_outstanding >= prefill_queue_cap:
-        return PathDecision(
-            path="decode-local",
-            reason=f"prefill busy: {prefill_outstanding} in flight >= cap {prefill_queue_cap}",
-            prefill_busy=True,
-        )
+    if not exact and policy != "always-pd":
+        if policy == "always-local":
+            return PathDecision(path="decode-local", reason="policy always-local")
+        if prefill_queue_cap > 0 and prefill_outstanding >= prefill_queue_cap:
+            return PathDecision(
+                path="decode-local",
+                reason=f"prefill busy: {prefill_outstanding} in flight >= cap {prefill_queue_cap}",
+                prefill_busy=True,
+            )
     if not reuse_ok:
         return PathDecision(path="recompute", reason="no reusable blocks")
+    if policy == "always-pd":
+        return PathDecision(path="pull", reason="policy always-pd")
+    if exact:
+        return PathDecision(path="pull", reason="exact: decode-local would reuse decode-computed KV")
     if new_tokens > local_max_tokens:
         return PathDecision(path="pull", reason=f"suffix ~{new_tokens} tokens > local cap {local_max_tokens}")
     if model.pd.samples < _MIN_SAMPLES or model.local.samples < _MIN_SAMPLES:
