@@ -59,13 +59,11 @@ class TurnBook:
             cached = details.get("cached_tokens") if isinstance(details, dict) else None
             if isinstance(cached, int):
                 turn.reused_tokens = cached
-            elif turn.reuse != "local":
-                turn.reused_tokens = 0  # a turn without reusable blocks, prefilled on decode (prefill busy)
-            else:
-                # vLLM < 0.33 does not report it: what decode held, which can exceed the new prompt when the
-                # answer re-tokenizes shorter; an estimate, never more than the prompt.
-                held = record.retained_tokens if record else 0
-                turn.reused_tokens = min(held, turn.prompt_tokens) if turn.prompt_tokens else held
+            elif turn.prompt_tokens:
+                # vLLM < 0.33 does not report it: `_decode_local`'s estimate (what decode held; 0 for a turn
+                # without reusable blocks), which can exceed the new prompt when the answer re-tokenizes
+                # shorter; never more than the prompt.
+                turn.reused_tokens = min(turn.reused_tokens, turn.prompt_tokens)
         self._learn_costs(turn)
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
