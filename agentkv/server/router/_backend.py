@@ -109,16 +109,11 @@ class BackendState:
 
     def inflight(self) -> contextlib.AbstractContextManager[None]:
         """One request counted in `outstanding` (what the choosers balance on) for as long as it runs."""
-        return _InFlight(self)
+        return _InFlight(self, "outstanding")
 
-    @contextlib.contextmanager
-    def computing(self) -> Iterator[None]:
+    def computing(self) -> contextlib.AbstractContextManager[None]:
         """One P hop counted in `prefilling` while it runs."""
-        self.prefilling += 1
-        try:
-            yield
-        finally:
-            self.prefilling -= 1
+        return _InFlight(self, "prefilling")
 
     def saw_registration(self, registration: Registration) -> None:
         if registration.engine_id is not None and (
@@ -130,14 +125,14 @@ class BackendState:
 class _InFlight:
     # A class, not a generator: a generator's context would also end when garbage-collected, and an answer
     # whose end was never seen must show up as a leaked count, not vanish silently.
-    def __init__(self, state: BackendState) -> None:
-        self._state = state
+    def __init__(self, state: BackendState, counter: Literal["outstanding", "prefilling"]) -> None:
+        self._state, self._counter = state, counter
 
     def __enter__(self) -> None:
-        self._state.outstanding += 1
+        setattr(self._state, self._counter, getattr(self._state, self._counter) + 1)
 
     def __exit__(self, *exc: object) -> None:
-        self._state.outstanding -= 1
+        setattr(self._state, self._counter, getattr(self._state, self._counter) - 1)
 
 
 class BackendPool:
