@@ -119,21 +119,20 @@ def install() -> bool:
     except ImportError:
         logger.warning("AGENTKV_FAST_JSON: msgspec or starlette missing; JSON stays the standard library's")
         return False
-    ok = True
-    if not getattr(Request.json, "agentkv_wrapped", False):
-        if list(inspect.signature(Request.json).parameters) == ["self"]:
-            Request.json = _json  # type: ignore[method-assign]
-        else:
-            logger.warning(
-                "AGENTKV_FAST_JSON: this starlette's Request.json differs; request JSON stays json.loads"
-            )
-            ok = False
-    if not getattr(JSONResponse.render, "agentkv_wrapped", False):
-        if list(inspect.signature(JSONResponse.render).parameters) == ["self", "content"]:
-            JSONResponse.render = _render  # type: ignore[method-assign]
-        else:
-            logger.warning(
-                "AGENTKV_FAST_JSON: this starlette's JSONResponse.render differs; responses stay json.dumps"
-            )
-            ok = False
-    return ok
+    parsed = _patch(Request, "json", _json, ["self"], "request JSON stays json.loads")
+    encoded = _patch(JSONResponse, "render", _render, ["self", "content"], "responses stay json.dumps")
+    return parsed and encoded
+
+
+def _patch(owner: type, name: str, replacement: Any, parameters: list[str], otherwise: str) -> bool:
+    """``replacement`` in place of ``owner.name`` where that still takes ``parameters``; True when ours."""
+    current = getattr(owner, name)
+    if getattr(current, "agentkv_wrapped", False):
+        return True
+    if list(inspect.signature(current).parameters) != parameters:
+        logger.warning(
+            "AGENTKV_FAST_JSON: this starlette's %s.%s differs; %s", owner.__name__, name, otherwise
+        )
+        return False
+    setattr(owner, name, replacement)
+    return True
