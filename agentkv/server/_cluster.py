@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 
 from agentkv._constants import (
     DEFAULT_DECODE_PORT,
@@ -157,7 +158,10 @@ class ClusterConfig:
         there the split buys no isolation, and prefilling every turn on decode matched an aggregated
         server's goodput where the default paths did not (bench/README.md, "Goodput at equal loads")."""
         env = dict(self.router_env)
-        exact = env.get("AGENTKV_EXACT", "").strip().lower() in ("1", "true", "yes", "on")
+        try:  # read as the router's settings read it
+            exact = TypeAdapter(bool).validate_python(env.get("AGENTKV_EXACT", False))
+        except ValidationError:
+            exact = False  # the router refuses the value at its start
         if "AGENTKV_PATH_POLICY" not in env and not exact and self.shares_a_gpu():
             env["AGENTKV_PATH_POLICY"] = "always-local"
         return env

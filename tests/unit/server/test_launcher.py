@@ -147,6 +147,9 @@ def test_a_shared_gpu_gets_a_router_that_prefills_every_turn_on_decode() -> None
     assert mine.router_environment() == {"AGENTKV_PATH_POLICY": "auto"}
     exact = ClusterConfig(model="/m", device="gpu", router_env={"AGENTKV_EXACT": "true"})
     assert exact.router_environment() == {"AGENTKV_EXACT": "true"}
+    # Spelled as the router's settings accept it, which always-local would fail at the router's start.
+    terse = ClusterConfig(model="/m", device="gpu", router_env={"AGENTKV_EXACT": "Y"})
+    assert terse.router_environment() == {"AGENTKV_EXACT": "Y"}
 
 
 def test_engine_check_refuses_an_unsupported_installed_vllm(
