@@ -350,6 +350,7 @@ def run_leg(
 ) -> dict[str, Any]:
     slo = SLO(ttft_s=args.slo_ttft_ms / 1e3, tpot_s=args.slo_tpot_ms / 1e3)
     url = deployment.url_for(leg)
+    routed = leg != "agg"  # every leg but agg talks to our router
     result: dict[str, Any] = {"leg": leg, "engines_on": deployment.group, "url": url, "steps": []}
     try:
         model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
@@ -360,7 +361,7 @@ def run_leg(
                     result["steps"].append({"rate": rate, "skipped": f"budget ({left:.0f} s left)"})
                     continue
                 plans = _plans(args, rate, index)
-                paths_before = router_paths(url) if leg != "agg" else {}
+                paths_before = router_paths(url) if routed else {}
                 start = watch.snapshot().t_s
                 run = asyncio.run(
                     run_step(
@@ -369,7 +370,7 @@ def run_leg(
                         model=model,
                         text=text.for_step(leg, index),
                         tag=f"{leg}-{index}-{time.time_ns() % 10**6}",
-                        router=leg != "agg",
+                        router=routed,
                         heartbeat_s=args.heartbeat_s,
                         max_active=args.max_active,
                         drain_s=args.drain_s,
@@ -388,7 +389,7 @@ def run_leg(
                     "engines": engines,
                     "limits": limits(summary, engines, slo),
                 }
-                if leg != "agg":
+                if routed:
                     after = router_paths(url)
                     step["router_paths"] = {k: v - paths_before.get(k, 0.0) for k, v in after.items()}
                 if args.records:

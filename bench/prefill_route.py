@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 ids = [rng.randrange(100, vocab) for _ in range(n)]
                 text = " ".join(rng.choice(_WORDS) for _ in range(n))
                 render_text = " ".join(rng.choice(_ONE_TOKEN_WORDS) for _ in range(n - 16))
-
-                def _text(route: str, text: str = text, render_text: str = render_text) -> str:
-                    return render_text if route == "render" else text
+                texts = {route: render_text if route == "render" else text for route in ROUTES.values()}
 
                 with console.status(f"computing a {n:,}-token prompt once ..."):
                     _timed(client, "completions", ids, text, name)
@@ -145,13 +143,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if args.spy is None:
                     for _ in range(args.rounds):
                         for label, route in ROUTES.items():
-                            times[label].append(_timed(client, route, ids, _text(route), name))
+                            times[label].append(_timed(client, route, ids, texts[route], name))
                 else:
                     for label, route in ROUTES.items():
                         raw = args.spy / f"{route}-{n}.txt"
                         with _spied(engine.pid, raw):
                             times[label] = [
-                                _timed(client, route, ids, _text(route), name) for _ in range(args.rounds)
+                                _timed(client, route, ids, texts[route], name) for _ in range(args.rounds)
                             ]
                         spy[label] = _spy_stages(raw, args.rounds)
                 row = {"tokens": n, **{label: summarize(ms) for label, ms in times.items()}}
