@@ -296,6 +296,8 @@ def test_messages_serve_a_short_suffix_on_decode(
     history += [{"role": "assistant", "content": first}, {"role": "user", "content": "ok"}]
     headers, second, events = _message(router_auto.url, history, conversation_id=cid, stream=True)
     assert (headers["x-agentkv-path"], headers["x-agentkv-reuse"]) == ("decode-local", "local"), headers
+    # The stream's headers leave before decode's usage: they carry what decode holds of the prompt.
+    assert int(headers["x-agentkv-reused-tokens"]) > 0, headers
     assert events[-1]["type"] == "message_stop"
     _, ref, _ = _message(router_off_inexact.url, history)
     assert second == ref
