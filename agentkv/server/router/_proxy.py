@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -46,6 +48,13 @@ class TurnRunner:
     def __init__(self, *, services: RouterServices, book: TurnBook) -> None:
         self._sv, self._book = services, book
         self._s = services.settings
+        self._ending: set[asyncio.Future[None]] = set()
+
+    def _ended(self, ended: asyncio.Future[None]) -> None:
+        self._ending.discard(ended)
+        if not ended.cancelled() and (exc := ended.exception()) is not None:
+            # The entry then counts until its deadline; only the shared load reads high meanwhile.
+            logger.debug("prefill hop not cleared from the store: %s", exc)
 
     async def run(self, turn: Turn) -> Response:
         stack = contextlib.AsyncExitStack()
@@ -184,7 +193,7 @@ class TurnRunner:
             local_max_tokens=self._s.decode_local_max_tokens,
             model=sv.cost,
             exact=self._s.exact,
-            prefill_outstanding=min((p.prefilling for p in sv.prefill if p.healthy), default=0),
+            prefill_outstanding=await self._prefill_load(),
             prefill_queue_cap=self._s.prefill_queue_cap,
         )
         book.decided(turn, decision)
@@ -193,6 +202,54 @@ class TurnRunner:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
             turn.pack_ids = turn.forward_ids and decode.packed_ids
         return decode, decision
+
+    @property
+    def _reads_prefill_load(self) -> bool:
+        """Whether `choose_path` can act on the prefills' load (conditional disaggregation)."""
+        s = self._s
+        return s.prefill_queue_cap > 0 and not s.exact and s.path_policy == "auto"
+
+    async def _prefill_load(self) -> int:
+        """P hops in flight on the least busy healthy prefill, counting every router replica's where the
+        store is shared: replicas that counted only their own would each send up to the cap, and together
+        queue several times the cap on one prefill. A store that cannot answer leaves this replica's own
+        count, which the shared one includes and so never exceeds."""
+        counts = {p.name: p.prefilling for p in self._sv.prefill if p.healthy}
+        if not counts or not self._reads_prefill_load or min(counts.values()) >= self._s.prefill_queue_cap:
+            return min(counts.values(), default=0)
+        try:
+            shared = await self._sv.store.prefilling(list(counts))
+        except StoreUnavailableError as exc:
+            logger.debug("prefill load from this replica alone: %s", exc)
+            shared = None
+        if shared:
+            counts = {name: max(n, shared.get(name, 0)) for name, n in counts.items()}
+        return min(counts.values())
+
+    @contextlib.asynccontextmanager
+    async def _computing(self, prefill: BackendState, turn: Turn) -> AsyncIterator[None]:
+        """One P hop counted on `prefill` for as long as it runs: here, and in the shared store for the
+        other replicas when they read it."""
+        store, hop = self._sv.store, f"{turn.request_id}@{prefill.name}"
+        shared = self._reads_prefill_load
+        with prefill.computing():
+            if shared:
+                try:
+                    until = time.time() + self._s.timeouts.prefill_s + self._s.timeouts.connect_s
+                    await store.prefill_started(prefill.name, hop, until=until)
+                except StoreUnavailableError:
+                    shared = False
+            try:
+                yield
+            finally:
+                if shared:
+                    # Its own task: a client that goes away cancels the turn, and the entry would then
+                    # count until its deadline; the cancellation itself still reaches the turn.
+                    ended = asyncio.ensure_future(store.prefill_ended(prefill.name, hop))
+                    self._ending.add(ended)
+                    ended.add_done_callback(self._ended)
+                    with contextlib.suppress(StoreUnavailableError):
+                        await asyncio.shield(ended)
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""
@@ -256,7 +313,7 @@ class TurnRunner:
         t0 = time.perf_counter()
 
         async def attempt(p: BackendState) -> dict[str, Any]:
-            with p.computing():
+            async with self._computing(p, turn):
                 if rendered is not None:
                     return await self._token_prefill(p, turn, rendered, prefill_params(retained))
                 body = prefill_body(turn.body, retained, responses=turn.dialect == "responses")

@@ -8,7 +8,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from ._store import ConversationRecord, StoreUnavailableError
@@ -31,7 +31,11 @@ return 0
 
 class RedisStore:
     """Keys `<prefix>conv:<tenant>/<conversation_id>` (a hash of version + JSON record), expiring at the
-    lease expiry plus `ttl_margin_s`; conversations without retained blocks expire after `idle_ttl_s`."""
+    lease expiry plus `ttl_margin_s`; conversations without retained blocks expire after `idle_ttl_s`.
+
+    `<prefix>prefilling:<prefill>` is a sorted set of the P hops in flight on that prefill, scored by their
+    deadline: a replica that dies mid-hop leaves an entry that stops counting when its deadline passes,
+    so no count leaks and no replica has to heartbeat."""
 
     def __init__(
         self,
@@ -128,6 +132,35 @@ class RedisStore:
             async for _ in self._redis.scan_iter(match=f"{self._prefix}conv:*", count=1000):
                 n += 1
         return n
+
+    def _hops(self, prefill: str) -> str:
+        return f"{self._prefix}prefilling:{prefill}"
+
+    async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:
+        now = time.time()
+        key = self._hops(prefill)
+        with _unavailable():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.zremrangebyscore(key, "-inf", now)  # what crashed replicas left behind
+                pipe.zadd(key, {hop: until})
+                # A prefill taken out of the configuration leaves no key behind.
+                pipe.expire(key, max(math.ceil(until - now), 1) + 60)
+                await pipe.execute()
+
+    async def prefill_ended(self, prefill: str, hop: str) -> None:
+        with _unavailable():
+            await self._redis.zrem(self._hops(prefill), hop)
+
+    async def prefilling(self, prefills: Sequence[str]) -> dict[str, int] | None:
+        if not prefills:
+            return {}
+        now = time.time()
+        with _unavailable():
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for prefill in prefills:
+                    pipe.zcount(self._hops(prefill), f"({now}", "+inf")
+                counts = await pipe.execute()
+        return {prefill: int(n) for prefill, n in zip(prefills, counts, strict=True)}
 
     async def aclose(self) -> None:
         await self._redis.aclose()

@@ -1,4 +1,6 @@
-"""Where the router remembers conversations: the `ConversationStore` protocol and the in-memory store."""
+"""What router replicas share: the `ConversationStore` protocol and the in-memory store.
+
+A store holds conversations and, for conditional disaggregation, the P hops in flight on each prefill."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import contextlib
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from agentkv._exceptions import AgentKVError
@@ -95,6 +97,18 @@ class ConversationStore(Protocol):
 
     async def count(self) -> int: ...
 
+    async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:
+        """A P hop (`hop`, unique per request and prefill) computes on `prefill` until it ends or, should
+        this replica die first, until the epoch time `until` (the hop's own deadline) has passed."""
+        ...
+
+    async def prefill_ended(self, prefill: str, hop: str) -> None: ...
+
+    async def prefilling(self, prefills: Sequence[str]) -> dict[str, int] | None:
+        """P hops in flight per prefill across every replica sharing this store; None where the store is
+        this replica's alone (its own counts, `BackendState.prefilling`, are then the whole picture)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -154,6 +168,15 @@ class MemoryStore:
 
     async def count(self) -> int:
         return len(self._data)
+
+    async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:
+        return None
+
+    async def prefill_ended(self, prefill: str, hop: str) -> None:
+        return None
+
+    async def prefilling(self, prefills: Sequence[str]) -> dict[str, int] | None:
+        return None
 
     async def aclose(self) -> None:
         self._data.clear()

@@ -7,12 +7,14 @@ import contextlib
 import dataclasses
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 
 from agentkv._wire import OFFER_DECODED_KEY
+from agentkv.server.router import RedisStore
 
 from .conftest import FakeEngines, store_of
 
@@ -752,6 +754,68 @@ async def test_a_saturated_prefill_sends_a_cold_turn_to_decode(engines: FakeEngi
     assert [c["messages"] for c in engines.completions("p")].count(USER1) == 1  # the calm turn's
     assert calm.headers["x-agentkv-path"] == "recompute"
     assert "agentkv_prefill_busy_total 1.0" in metrics
+
+
+async def test_router_replicas_on_redis_share_the_prefill_load(
+    engines: FakeEngines, make_client, redis_url: str
+) -> None:
+    """Replicas on one Redis see each other's P hops: with both prefills at the cap through replica A,
+    replica B prefills a cold turn on decode; a replica on its own store (the counterfactual) does not, and
+    once A's hops end B's turns take P again."""
+    stalls = StalledPrefills(engines)
+    prefix = f"test-{uuid.uuid4().hex}:"
+    settings = {"path_policy": "auto", "prefill_queue_cap": 1, "exact": False}
+    a = make_client(store=RedisStore(url=redis_url, prefix=prefix), **settings)
+    b = make_client(store=RedisStore(url=redis_url, prefix=prefix), **settings)
+    alone = make_client(**settings)
+    async with a, b, alone:
+        async with stalls.holding(a):
+            busy = await chat(b, USER1, cid="c1")
+            unaware = await chat(alone, USER1, cid="c1")
+        calm = await chat(b, USER1, cid="c2")
+        metrics = (await b.get("/metrics")).text
+        left = await store_of(b).prefilling(["p0", "p1"])
+    assert (busy.headers["x-agentkv-path"], unaware.headers["x-agentkv-path"]) == (
+        "decode-local",
+        "recompute",
+    )
+    assert calm.headers["x-agentkv-path"] == "recompute"
+    assert "agentkv_prefill_busy_total 1.0" in metrics
+    assert left == {"p0": 0, "p1": 0}
+
+
+async def test_a_turn_cancelled_mid_prefill_leaves_no_shared_count(
+    engines: FakeEngines, make_client, redis_url: str
+) -> None:
+    stalls = StalledPrefills(engines)
+    store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:")
+    async with make_client(store=store, path_policy="auto", prefill_queue_cap=1, exact=False) as client:
+        turn = asyncio.create_task(chat(client, STALL, cid="s0"))
+        while not stalls.hosts:
+            await asyncio.sleep(0.01)
+        assert sum((await store.prefilling(["p0", "p1"])).values()) == 1
+        turn.cancel()  # the client went away while prefill computed
+        with contextlib.suppress(asyncio.CancelledError):
+            await turn
+        for _ in range(100):
+            if sum((await store.prefilling(["p0", "p1"])).values()) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await store.prefilling(["p0", "p1"]) == {"p0": 0, "p1": 0}
+
+
+async def test_a_dead_replicas_prefill_hops_stop_counting_at_their_deadline(redis_url: str) -> None:
+    store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:")
+    try:
+        await store.prefill_started("p0", "dead", until=time.time() + 0.3)
+        await store.prefill_started("p0", "live", until=time.time() + 60)
+        assert await store.prefilling(["p0", "p1"]) == {"p0": 2, "p1": 0}
+        await asyncio.sleep(0.4)
+        assert await store.prefilling(["p0"]) == {"p0": 1}
+        await store.prefill_ended("p0", "live")
+        assert await store.prefilling(["p0"]) == {"p0": 0}
+    finally:
+        await store.aclose()
 
 
 async def test_a_streamed_decode_local_turn_reports_what_decode_held(
