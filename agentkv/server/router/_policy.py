@@ -105,42 +105,157 @@ def assess_reuse(
     return "ok"
 
 
-class Line:
-    """Exponentially weighted least squares fit of `ms = fixed + rate * tokens`.
+# Slope columns of a fit: 0 is the tokens the turn computes, 1 the context it reuses.
+_TOKENS, _CONTEXT = 0, 1
+# Relative size under which a quantity is rounding: a feature's weighted variance against its mean square
+# (the feature is constant), a pivot of the unit-diagonal normal equations (collinear features), two fits'
+# difference in residual against the data's spread (the smaller model is as good).
+_FLAT = 1e-9
 
-    Fixed costs (an extra HTTP hop, a NIXL handshake) and per-token prefill cost both matter: the
-    break-even suffix length is where the lines cross, so both terms are learned, not assumed."""
+
+def _solve(gram: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """The solution of ``gram @ w = rhs`` for a small symmetric positive semi-definite `gram` (a normal
+    equations matrix), or None when it is singular: the features are (near-)collinear, so the data cannot
+    tell their rates apart.
+
+    Scaled to a unit diagonal first so the singularity test reads as a correlation (1 - r^2) whatever the
+    features' units (tokens and 100k-token contexts); elimination needs no pivoting on a positive definite
+    matrix."""
+    n = len(rhs)
+    scale = [math.sqrt(gram[i][i]) for i in range(n)]
+    if not all(s > 0 and math.isfinite(s) for s in scale):
+        return None
+    a = [[gram[i][j] / (scale[i] * scale[j]) for j in range(n)] for i in range(n)]
+    b = [rhs[i] / scale[i] for i in range(n)]
+    for k in range(n):
+        if a[k][k] <= _FLAT:
+            return None
+        for i in range(k + 1, n):
+            f = a[i][k] / a[k][k]
+            for j in range(k, n):
+                a[i][j] -= f * a[k][j]
+            b[i] -= f * b[k]
+    w = [0.0] * n
+    for k in reversed(range(n)):
+        w[k] = (b[k] - sum(a[k][j] * w[j] for j in range(k + 1, n))) / a[k][k]
+    return [w[k] / scale[k] for k in range(n)]
+
+
+class Line:
+    """Exponentially weighted least squares fit of `ms = fixed + rate * tokens + context_rate * context`.
+
+    `tokens` is what the turn computes, `context` what it reuses from cache. Fixed costs (an extra HTTP hop,
+    a NIXL handshake) and per-token prefill cost both matter: the break-even suffix length is where the lines
+    cross, so both terms are learned, not assumed. The context term is learned because both paths slow down
+    with it at a fixed suffix (per-request work over every id, attention over the prefix, a pull's read of
+    decode's KV): agents run at 30k-200k tokens at once, and a line blind to context prices every turn at
+    the mix's average context.
+
+    Moments are kept centered (an exponentially weighted mean and covariance, updated in place), so the
+    normal equations' intercept row is eliminated exactly and the slopes come from a small, well conditioned
+    system, not from differences of 1e10-sized raw moments. A feature without variance in the weighted
+    samples is left out of the fit: the line then predicts as the one-feature fit does, independent of it."""
 
     def __init__(self, *, alpha: float = 0.2) -> None:
         self._alpha = alpha
         self._n = 0
-        self._x = self._y = self._xx = self._xy = 0.0
+        self._mean = [0.0, 0.0]  # tokens, context
+        self._mean_y = 0.0
+        self._cov = [[0.0, 0.0], [0.0, 0.0]]
+        self._cov_y = [0.0, 0.0]
+        self._var_y = 0.0
+        self._coefficients: tuple[float, float, float] | None = None
 
     @property
     def samples(self) -> int:
         return self._n
 
-    def observe(self, tokens: float, ms: float) -> None:
-        if tokens < 0 or ms < 0 or not math.isfinite(ms):
+    def observe(self, tokens: float, ms: float, *, context: float = 0.0) -> None:
+        """Learn one turn: `ms` to its first token, computing `tokens` over `context` cached ones."""
+        if not all(math.isfinite(v) and v >= 0 for v in (tokens, ms, context)):
             return
         a = self._alpha if self._n else 1.0
         self._n += 1
-        self._x += a * (tokens - self._x)
-        self._y += a * (ms - self._y)
-        self._xx += a * (tokens * tokens - self._xx)
-        self._xy += a * (tokens * ms - self._xy)
+        self._coefficients = None
+        d = (tokens - self._mean[0], context - self._mean[1])
+        dy = ms - self._mean_y
+        # West's update: the exact exponentially weighted covariance, without raw second moments.
+        for i in range(2):
+            for j in range(2):
+                self._cov[i][j] = (1 - a) * (self._cov[i][j] + a * d[i] * d[j])
+            self._cov_y[i] = (1 - a) * (self._cov_y[i] + a * d[i] * dy)
+            self._mean[i] += a * d[i]
+        self._var_y = (1 - a) * (self._var_y + a * dy * dy)
+        self._mean_y += a * dy
 
-    def predict(self, tokens: float) -> float | None:
+    def predict(self, tokens: float, *, context: float = 0.0) -> float | None:
+        """Milliseconds to the first token for a turn computing `tokens` over `context` cached ones."""
         if self._n == 0:
             return None
-        var = self._xx - self._x * self._x
-        if var <= 1e-9 * max(self._xx, 1.0):
+        if self._coefficients is None:  # solved once per sample, not on every routing decision
+            self._coefficients = self._fit()
+        fixed, rate, context_rate = self._coefficients
+        return max(fixed + rate * tokens + context_rate * context, 0.0)
+
+    def _varies(self, i: int) -> bool:
+        var = self._cov[i][i]
+        return var > _FLAT * max(var + self._mean[i] ** 2, 1.0)
+
+    def _fit(self) -> tuple[float, float, float]:
+        tokens_vary = self._varies(_TOKENS)
+        if self._varies(_CONTEXT):
+            if tokens_vary:
+                return self._best((_TOKENS, _CONTEXT), intercept=True)
+            if self._mean[_TOKENS] > 0:
+                # All samples at one size: the fixed cost and that size's cost are one constant to this data.
+                # It goes to the per-token rate, as below without context variance, so how a line scales
+                # with the suffix does not flip when its turns start to differ in context.
+                return self._best((_TOKENS, _CONTEXT), intercept=False)
+            return self._best((_CONTEXT,), intercept=True)
+        if tokens_vary:
+            return self._best((_TOKENS,), intercept=True)
+        if self._mean[_TOKENS] > 0:
             # All samples at one size: attribute everything to the per-token rate (no fixed cost seen).
-            rate = self._y / self._x if self._x > 0 else 0.0
-            return rate * tokens if self._x > 0 else self._y
-        rate = max((self._xy - self._x * self._y) / var, 0.0)
-        fixed = max(self._y - rate * self._x, 0.0)
-        return fixed + rate * tokens
+            return self._best((_TOKENS,), intercept=False)
+        return (max(self._mean_y, 0.0), 0.0, 0.0)
+
+    def _best(self, columns: tuple[int, ...], *, intercept: bool) -> tuple[float, float, float]:
+        """The least squares fit on `columns` (and a fixed cost if `intercept`) with every rate >= 0.
+
+        A negative rate is noise (more context or tokens never make a turn faster): the fits that leave
+        out features are tried too, and the best one whose rates are all non-negative wins. With at most two
+        features that is every subset, so this is the exact non-negative least squares solution; a fit
+        within rounding of a larger one loses to it, so collinear features fall back to the tokens alone."""
+        subsets = [columns] if len(columns) == 1 else [columns, columns[:1], columns[1:]]
+        fits = [f for s in (*subsets, ()) if (f := self._least_squares(s, intercept=intercept)) is not None]
+        least = min(sse for sse, _ in fits)  # the empty fit is always there
+        tolerance = _FLAT * max(least, self._total(intercept=intercept))
+        return next(coefficients for sse, coefficients in fits if sse <= least + tolerance)
+
+    def _total(self, *, intercept: bool) -> float:
+        """The weighted sum of squares the empty fit leaves, the scale against which fits are compared."""
+        return self._var_y if intercept else self._var_y + self._mean_y**2
+
+    def _least_squares(
+        self, subset: tuple[int, ...], *, intercept: bool
+    ) -> tuple[float, tuple[float, float, float]] | None:
+        """(weighted residual sum of squares, (fixed, rate, context_rate)) of the unconstrained fit on
+        `subset`; None if it is singular or a rate comes out negative."""
+        if intercept:
+            gram = [[self._cov[i][j] for j in subset] for i in subset]
+            rhs = [self._cov_y[i] for i in subset]
+        else:
+            gram = [[self._cov[i][j] + self._mean[i] * self._mean[j] for j in subset] for i in subset]
+            rhs = [self._cov_y[i] + self._mean[i] * self._mean_y for i in subset]
+        w = _solve(gram, rhs) if subset else []
+        if w is None or any(r < 0 for r in w):
+            return None
+        rates = [0.0, 0.0]
+        for i, r in zip(subset, w, strict=True):
+            rates[i] = r
+        sse = self._total(intercept=intercept) - sum(r * b for r, b in zip(w, rhs, strict=True))
+        fixed = self._mean_y - rates[0] * self._mean[0] - rates[1] * self._mean[1] if intercept else 0.0
+        return sse, (max(fixed, 0.0), rates[0], rates[1])
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -171,13 +286,16 @@ class CostModel:
         through seconds at long prompts and prices a short pull at the slope of computing it, blind to what
         a pull costs beyond compute at that context (the P hop's per-request work over every id and the read
         of decode's KV): on the H200 at 127k tokens it priced a 512-token pull below decode-local, and the
-        pull took 331 ms where decode-local took 212."""
+        pull took 331 ms where decode-local took 212.
+
+        The reused tokens are the turn's context: both paths' cost grows with it at a fixed suffix, so the
+        lines learn it as a second feature."""
         if reused_tokens <= 0:
             return
         if path == "decode-local":
-            self.local.observe(computed_tokens, ttft_ms)
+            self.local.observe(computed_tokens, ttft_ms, context=reused_tokens)
         elif path == "pull":
-            self.pd.observe(computed_tokens, ttft_ms)
+            self.pd.observe(computed_tokens, ttft_ms, context=reused_tokens)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -203,12 +321,17 @@ def choose_path(
     exact: bool = False,
     prefill_outstanding: int = 0,
     prefill_queue_cap: int = 0,
+    context_tokens: int = 0,
 ) -> PathDecision:
     """Pick the cheapest path to the first token for this turn.
 
     Decode-local prefill stalls every stream running on that decode for the suffix's duration, so its
     cost is scaled by the decode's load, and suffixes over `local_max_tokens` never go local. ``exact``:
     never local at all, since decode would serve the prefix from KV it computed itself.
+
+    ``context_tokens``: the tokens decode holds for the conversation, the prefix the turn reuses. Both paths
+    cost more at a longer context (a pull reads it from decode, both do per-request work over every id and
+    attend over it), so both lines are priced at this turn's context, not at the average of those they saw.
 
     Conditional disaggregation: once the least busy prefill computes `prefill_queue_cap` prompts at once
     (P hops in flight, renders not counted; 0: never), any turn, a cold one included, is prefilled on its
@@ -236,8 +359,8 @@ def choose_path(
         if decode_outstanding == 0:
             return PathDecision(path="decode-local", reason="learning costs; decode idle")
         return PathDecision(path="pull", reason="learning costs; decode busy")
-    local_ms = (model.local.predict(new_tokens) or 0.0) * (1 + decode_outstanding)
-    pd_ms = model.pd.predict(new_tokens) or 0.0
+    local_ms = (model.local.predict(new_tokens, context=context_tokens) or 0.0) * (1 + decode_outstanding)
+    pd_ms = model.pd.predict(new_tokens, context=context_tokens) or 0.0
     if local_ms <= pd_ms:
         return PathDecision(path="decode-local", reason=f"local ~{local_ms:.1f} ms <= pd ~{pd_ms:.1f} ms")
     return PathDecision(path="pull", reason=f"pd ~{pd_ms:.1f} ms < local ~{local_ms:.1f} ms")

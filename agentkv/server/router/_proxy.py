@@ -195,6 +195,7 @@ class TurnRunner:
             exact=self._s.exact,
             prefill_outstanding=await self._prefill_load(),
             prefill_queue_cap=self._s.prefill_queue_cap,
+            context_tokens=self._held_tokens(record) if verdict == "ok" else 0,
         )
         book.decided(turn, decision)
         turn.path = decision.path
@@ -250,6 +251,13 @@ class TurnRunner:
                     ended.add_done_callback(self._ended)
                     with contextlib.suppress(StoreUnavailableError):
                         await asyncio.shield(ended)
+
+    @staticmethod
+    def _held_tokens(record: ConversationRecord | None) -> int:
+        """Tokens of the conversation decode holds: those the token path checked, else decode's count."""
+        if record is None:
+            return 0
+        return record.tokens.held if record.tokens else record.retained_tokens
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""

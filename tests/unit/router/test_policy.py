@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from agentkv.server.router import Backend, CostModel, choose_path
 from agentkv.server.router._backend import BackendPool, Registration
@@ -133,6 +136,128 @@ def test_line_recovers_fixed_and_rate() -> None:
     assert single.predict(200) == pytest.approx(100)
 
 
+def plane(tokens: float, context: float) -> float:
+    return 20 + 0.3 * tokens + 0.001 * context
+
+
+def test_line_recovers_a_plane_over_tokens_and_context() -> None:
+    line = Line()
+    assert line.predict(5, context=1_000) is None
+    for n, c in ((100, 30_000), (500, 30_000), (100, 120_000), (800, 60_000), (300, 200_000), (50, 90_000)):
+        line.observe(n, plane(n, c), context=c)
+    for n, c in ((512, 127_000), (2_000, 10_000), (1, 0), (10_000, 500_000)):
+        assert line.predict(n, context=c) == pytest.approx(plane(n, c), rel=1e-6)
+
+
+def one_feature(samples: list[tuple[float, float]], tokens: float, alpha: float = 0.2) -> float:
+    """The fit a line made before it learned the context: raw moments of tokens alone."""
+    x = y = xx = xy = 0.0
+    for i, (n, ms) in enumerate(samples):
+        a = alpha if i else 1.0
+        x, y, xx, xy = x + a * (n - x), y + a * (ms - y), xx + a * (n * n - xx), xy + a * (n * ms - xy)
+    var = xx - x * x
+    if var <= 1e-9 * max(xx, 1.0):
+        return y / x * tokens if x > 0 else y
+    rate = max((xy - x * y) / var, 0.0)
+    return max(y - rate * x, 0.0) + rate * tokens
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [(10, 35.0), (200, 130.0), (50, 52.0), (400, 233.0), (120, 90.0)],
+        [(497, 94.0), (497, 113.0), (497, 178.0)],  # one size: all of it per token
+        [(10, 80.0), (200, 40.0), (400, 10.0)],  # faster when longer: noise, no rate
+        [(0, 12.0), (0, 15.0)],
+    ],
+)
+def test_a_line_at_one_context_fits_tokens_alone(samples: list[tuple[float, float]]) -> None:
+    """Turns that all share one context cannot tell its cost from the fixed one: the line is the fit on
+    tokens alone, whatever context it is asked about."""
+    line = Line()
+    for n, ms in samples:
+        line.observe(n, ms, context=126_981)
+    for n in (0, 1, 64, 497, 5_000):
+        expected = one_feature(samples, n)
+        for c in (0, 33_000, 126_981, 1_000_000):
+            assert line.predict(n, context=c) == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
+# fixed ms, ms per computed token, ms per context token
+_coefficients = st.tuples(st.floats(0, 200), st.floats(0, 1), st.floats(0, 0.01))
+_points = st.lists(st.tuples(st.integers(1, 8_192), st.integers(0, 300_000)), min_size=3, max_size=24)
+
+
+def spread(values: list[int]) -> float:
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / len(values)) / max(mean, 1.0)
+
+
+def correlation(points: list[tuple[int, int]]) -> float:
+    n = len(points)
+    mx, mc = sum(x for x, _ in points) / n, sum(c for _, c in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    scc = sum((c - mc) ** 2 for _, c in points)
+    sxc = sum((x - mx) * (c - mc) for x, c in points)
+    return abs(sxc) / math.sqrt(sxx * scc)
+
+
+@settings(deadline=None)
+@given(plane=_coefficients, points=_points, at=st.tuples(st.integers(0, 8_192), st.integers(0, 300_000)))
+def test_a_line_recovers_any_plane_it_sees_from_enough_points(
+    plane: tuple[float, float, float], points: list[tuple[int, int]], at: tuple[int, int]
+) -> None:
+    """Exact samples of a plane at points that tell its three terms apart (several tokens and contexts, not
+    on one line) give back the plane, anywhere."""
+    tokens, contexts = [x for x, _ in points], [c for _, c in points]
+    assume(len(set(tokens)) >= 3 and len(set(contexts)) >= 3)
+    assume(spread(tokens) > 1e-3 and spread(contexts) > 1e-3 and correlation(points) < 0.99)
+    fixed, rate, context_rate = plane
+    line = Line()
+    for x, c in points:
+        line.observe(x, fixed + rate * x + context_rate * c, context=c)
+    x, c = at
+    assert line.predict(x, context=c) == pytest.approx(
+        fixed + rate * x + context_rate * c, rel=1e-6, abs=1e-6
+    )
+
+
+_finite = st.floats(0, 1e6, allow_nan=False, allow_infinity=False)
+
+
+@settings(deadline=None)
+@given(
+    samples=st.lists(st.tuples(_finite, _finite, _finite), min_size=1, max_size=24),
+    tokens=st.tuples(_finite, _finite),
+    context=st.tuples(_finite, _finite),
+)
+def test_a_line_never_predicts_a_negative_cost_or_a_cheaper_longer_turn(
+    samples: list[tuple[float, float, float]], tokens: tuple[float, float], context: tuple[float, float]
+) -> None:
+    """Whatever it saw, a line's rates are non-negative: a turn costs something, and more so when longer."""
+    line = Line()
+    for n, c, ms in samples:
+        line.observe(n, ms, context=c)
+    (n0, n1), (c0, c1) = sorted(tokens), sorted(context)
+    low, high = line.predict(n0, context=c0), line.predict(n1, context=c1)
+    assert low is not None and high is not None
+    assert math.isfinite(low) and math.isfinite(high)
+    assert 0 <= low <= high
+
+
+def test_a_line_ignores_samples_that_say_nothing() -> None:
+    line = Line()
+    for n, ms, c in (
+        (-1, 10.0, 0.0),
+        (10, -1.0, 0.0),
+        (10, math.nan, 0.0),
+        (10, 5.0, -3.0),
+        (math.inf, 5.0, 0.0),
+    ):
+        line.observe(n, ms, context=c)
+    assert line.samples == 0 and line.predict(10) is None
+
+
 def decide(
     model: CostModel,
     *,
@@ -144,6 +269,7 @@ def decide(
     exact: bool = False,
     prefill_load: int = 0,
     queue_cap: int = 0,
+    context: int = 0,
 ):
     return choose_path(
         policy=policy,
@@ -155,6 +281,7 @@ def decide(
         exact=exact,
         prefill_outstanding=prefill_load,
         prefill_queue_cap=queue_cap,
+        context_tokens=context,
     )
 
 
@@ -220,6 +347,33 @@ def test_a_recompute_teaches_neither_line() -> None:
     assert model.pd.samples == 3
     assert decide(model, n=497).path == "decode-local"  # ~128 ms < ~327 ms
     assert decide(model, n=497, load=3).path == "pull"  # a busy decode: ~514 ms > ~327 ms
+
+
+def test_the_context_prices_turns_apart() -> None:
+    """A 512-token tool result on the H200 took 97 ms decode-local at 33k tokens of context and 180 ms at
+    127k, and 331 ms pulled at 127k; a pull's cost grows faster with the context (prefill's per-request work
+    over every id and its read of decode's KV come on top of decode's). With the pull at 33k put at 210 ms,
+    lines learned on both contexts price each turn at its own: a decode with one stream running (decode-local
+    priced at twice its line) keeps the short-context turn and loses the long-context one to the pull. Lines
+    blind to the context price both turns alike."""
+    model, blind = CostModel(), CostModel()
+    for c in (33_000, 127_000):
+        for n in (256, 512, 1_024):
+            local = 97 + 0.06 * (n - 512) + (180 - 97) / 94_000 * (c - 33_000)
+            pull = 210 + 0.03 * (n - 512) + (331 - 210) / 94_000 * (c - 33_000)
+            model.observe_turn(path="decode-local", computed_tokens=n, reused_tokens=c, ttft_ms=local)
+            model.observe_turn(path="pull", computed_tokens=n, reused_tokens=c, ttft_ms=pull)
+            blind.local.observe(n, local)
+            blind.pd.observe(n, pull)
+    for line, short, long in ((model.local, 97, 180), (model.pd, 210, 331)):
+        assert line.predict(512, context=33_000) == pytest.approx(short)
+        assert line.predict(512, context=127_000) == pytest.approx(long)
+    for c in (33_000, 127_000):
+        assert decide(model, n=512, context=c).path == "decode-local"  # an idle decode
+    assert decide(model, n=512, load=1, context=33_000).path == "decode-local"  # 194 < 210 ms
+    assert decide(model, n=512, load=1, context=127_000).path == "pull"  # 360 > 331 ms
+    paths = {decide(blind, n=512, load=1, context=c).path for c in (33_000, 127_000)}
+    assert len(paths) == 1
 
 
 def test_chars_per_token_is_learned() -> None:
