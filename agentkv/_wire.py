@@ -115,7 +115,7 @@ def decode_body(
     prefill_kv: dict[str, Any] | None,
     *,
     cache_salt: str | None = None,
-    prompt_ids: list[int] | None = None,
+    prompt_ids: Sequence[int] | None = None,
     pack: bool = False,
     offer_decoded: bool | None = None,
 ) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def decode_body(
 def decode_local_body(
     body: dict[str, Any],
     *,
-    prompt_ids: list[int] | None = None,
+    prompt_ids: Sequence[int] | None = None,
     pack: bool = False,
     offer_decoded: bool | None = None,
 ) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def decode_local_body(
 
 
 def _decode_params(
-    params: dict[str, Any], *, prompt_ids: list[int] | None, pack: bool, offer_decoded: bool | None
+    params: dict[str, Any], *, prompt_ids: Sequence[int] | None, pack: bool, offer_decoded: bool | None
 ) -> dict[str, Any]:
     """What every decode hop adds to its params: the forwarded ids and whether to offer decoded KV."""
     params = with_prompt_ids(params, prompt_ids, pack=pack)
@@ -153,7 +153,7 @@ def _decode_params(
 
 
 def with_prompt_ids(
-    params: dict[str, Any], prompt_ids: list[int] | None, *, pack: bool = False
+    params: dict[str, Any], prompt_ids: Sequence[int] | None, *, pack: bool = False
 ) -> dict[str, Any]:
     """Forward the prompt's ids so decode skips rendering and tokenizing (vLLM >= 0.32, or agentkv's plugin).
     Only ever ids that prefill rendered for this same body: vLLM does not check them against the messages.
@@ -165,20 +165,24 @@ def with_prompt_ids(
     if packed is not None:
         params[PACKED_IDS_KEY] = packed
     else:
-        params[PROMPT_IDS_KEY] = prompt_ids
+        params[PROMPT_IDS_KEY] = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
     return params
 
 
 def pack_ids(ids: Sequence[int]) -> str | None:
     """Token ids as base64 of little-endian uint32s; None for an id outside 0 .. 2**32 - 1 (no vocabulary
-    has one: the caller sends the plain list then)."""
-    try:
-        packed = array("I", ids)
-    except (OverflowError, TypeError):
-        return None
+    has one: the caller sends the plain list then). An `array("I")` is read as it is, without a copy."""
+    if isinstance(ids, array) and ids.typecode == "I":
+        packed = ids
+    else:
+        try:
+            packed = array("I", ids)
+        except (OverflowError, TypeError):
+            return None
     if sys.byteorder == "big":
+        packed = array("I", packed)
         packed.byteswap()
-    return binascii.b2a_base64(packed.tobytes(), newline=False).decode("ascii")
+    return binascii.b2a_base64(memoryview(packed), newline=False).decode("ascii")
 
 
 def unpack_ids(packed: object) -> array[int]:
@@ -230,9 +234,15 @@ def render_path(api_path: str) -> str | None:
     return _RENDER_PATHS.get(api_path)
 
 
-def rendered_request(answer: Any) -> dict[str, Any] | None:
+def rendered_request(answer: Any) -> tuple[dict[str, Any], array[int]] | None:
     """The one `GenerateRequest` a render answered with (chat: an object; completions: a list of one per
-    prompt), or None when it is not one prompt of plain token ids (several prompts, multimodal features)."""
+    prompt) and its token ids as uint32s, or None when it is not one prompt of plain token ids (several
+    prompts, multimodal features).
+
+    The ids are converted once per turn, and the conversion is the check: `array` refuses anything but
+    integers in 0 .. 2**32 - 1 in C (as Python, it counts a boolean as 0 or 1; vLLM writes none), where a
+    Python loop over 131k ids took 5 ms. The reuse check's digests and decode's packed form then read these
+    bytes instead of converting the list again."""
     if isinstance(answer, list):
         if len(answer) != 1:
             return None
@@ -240,11 +250,13 @@ def rendered_request(answer: Any) -> dict[str, Any] | None:
     if not isinstance(answer, dict) or answer.get("features"):
         return None
     ids = answer.get("token_ids")
-    if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+    if not isinstance(ids, list) or not ids or not isinstance(answer.get("sampling_params"), dict):
         return None
-    if not isinstance(answer.get("sampling_params"), dict):
+    try:
+        packed = array("I", ids)
+    except (OverflowError, TypeError):
         return None
-    return answer
+    return answer, packed
 
 
 def token_prefill(

@@ -7,19 +7,29 @@ Per turn at a context of N tokens the router decodes the render answer (N ids), 
 ids) and encodes the decode body (the messages, ~4 characters per token; on vLLM >= 0.32 also the N ids,
 not counted here). Both sides run the same bodies: `json` (the standard library, what the router used) and
 `agentkv.server.router._codec` (msgspec). Median of ``--rounds`` per operation.
+
+Then what the router does with the N ids themselves per turn (the type and range check of the render
+answer's ids, the reuse check's digest of what decode holds, decode's packed ids, the next turn's digest),
+done on the list at each use as the router did (a Python loop for the check, a uint32 copy per digest and for
+the packing) beside one uint32 array made by the check and read by the rest (`agentkv._wire.rendered_request`,
+`TokenPrefix`, `pack_ids`).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import random
 import time
+from array import array
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentkv._wire import pack_ids, rendered_request
 from agentkv.server.router import _codec
+from agentkv.server.router._tokens import TokenPrefix
 from bench._common import (
     line_chart,
     print_table,
@@ -41,6 +51,24 @@ def _bodies(n: int, rng: random.Random) -> tuple[bytes, dict[str, Any], dict[str
         text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(400))
         messages.append({"role": "tool", "content": text, "tool_call_id": f"call_{len(messages)}"})
     return render, prefill, {"model": "m", "messages": messages, "max_tokens": 256}
+
+
+def _ids_per_use(answer: dict[str, Any]) -> None:
+    ids = answer["token_ids"]
+    assert all(type(t) is int and t >= 0 for t in ids)
+    for held in (len(ids) - 512, len(ids)):  # the reuse check, then the record of this turn
+        hashlib.sha256(array("I", ids[:held]).tobytes()).hexdigest()
+    pack_ids(list(ids))  # a list: pack_ids converts it
+
+
+def _ids_one_array(answer: dict[str, Any]) -> None:
+    rendered = rendered_request(answer)
+    assert rendered is not None
+    ids = rendered[1]
+    held = TokenPrefix.of(ids, offered=len(ids) - 512, exact=False)
+    assert held is not None and held.extended_by(ids)
+    TokenPrefix.of(ids, offered=len(ids), exact=False)
+    pack_ids(ids)
 
 
 def _median_ms(fn: Callable[[Any], object], arg: Any, rounds: int) -> float:
@@ -74,6 +102,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "decode body (encode)": _median_ms(dumps, decode, args.rounds),
             }
             row[label] = {**parts, "per turn": sum(parts.values())}
+        answer = json.loads(render)
+        row["ids"] = {
+            "per use (list)": _median_ms(_ids_per_use, answer, args.rounds),
+            "one array (agentkv)": _median_ms(_ids_one_array, answer, args.rounds),
+        }
         rows.append(row)
     labels = list(codecs)
     print_table(
@@ -83,6 +116,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             *(f"{label}: {part}" for label in labels for part in ("render", "prefill", "decode", "turn")),
         ],
         [[r["tokens"], *(v for label in labels for v in r[label].values())] for r in rows],
+    )
+    print_table(
+        "the router's work on the ids per turn (check, two digests, packed form), median ms",
+        ["context tokens", *rows[0]["ids"]],
+        [[r["tokens"], *r["ids"].values()] for r in rows],
     )
     out = results_dir(NAME, args.out)
     line_chart(

@@ -148,7 +148,7 @@ class TurnRunner:
         if rendered is None:
             return  # several prompts or multimodal input: the text path handles those
         prefill.renders[path] = True
-        turn.rendered, turn.render_prefill = rendered, prefill
+        (turn.rendered, turn.prompt_ids), turn.render_prefill = rendered, prefill
         turn.render_ms = (time.perf_counter() - t0) * 1000
         self._sv.metrics.render_seconds.observe(turn.render_ms / 1000)
 
@@ -283,7 +283,7 @@ class TurnRunner:
         try:
             body = decode_local_body(
                 turn.body,
-                prompt_ids=turn.prompt_ids if turn.forward_ids else None,
+                prompt_ids=turn.forwarded_ids(),
                 pack=turn.pack_ids,
                 offer_decoded=not self._s.exact,
             )
@@ -356,12 +356,11 @@ class TurnRunner:
         if retained is not None and isinstance(pulled, int) and not isinstance(pulled, bool):
             turn.pulled_tokens = pulled
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
-        ids = turn.prompt_ids if turn.forward_ids else None
         body = decode_body(
             turn.body,
             kv,
             cache_salt=salt,
-            prompt_ids=ids,
+            prompt_ids=turn.forwarded_ids(),
             pack=turn.pack_ids,
             offer_decoded=not self._s.exact,
         )

@@ -21,9 +21,12 @@ from typing import Any
 __all__ = ["TokenPrefix"]
 
 
-def _digest(ids: Sequence[int]) -> str:
-    # Fixed-width bytes: a digest of the ids themselves, not of some text that could spell them two ways.
-    return hashlib.sha256(array.array("I", ids).tobytes()).hexdigest()
+def _digest(ids: Sequence[int], n: int) -> str:
+    """sha256 of the first `n` ids as native uint32s: a digest of the ids themselves, not of some text that
+    could spell them two ways. An `array("I")` (the turn's ids) is hashed in place."""
+    if isinstance(ids, array.array) and ids.typecode == "I":
+        return hashlib.sha256(memoryview(ids)[:n]).hexdigest()
+    return hashlib.sha256(array.array("I", ids[:n]).tobytes()).hexdigest()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +49,7 @@ class TokenPrefix:
         if held <= 0:
             return None
         try:
-            digest = _digest(prompt_ids[:held])
+            digest = _digest(prompt_ids, held)
         except OverflowError:  # an id beyond 32 bits: no vocabulary has one; never reuse on a guess
             return None
         return cls(held=held, must_exceed=len(prompt_ids) if exact else held, digest=digest)
@@ -56,7 +59,7 @@ class TokenPrefix:
         if len(ids) <= self.must_exceed or len(ids) < self.held:
             return False
         try:
-            return _digest(ids[: self.held]) == self.digest
+            return _digest(ids, self.held) == self.digest
         except OverflowError:
             return False
 

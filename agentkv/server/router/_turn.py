@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from agentkv._constants import (
@@ -53,8 +55,10 @@ class Turn:
     ttft_ms: float | None = None
     used_retained: bool = False
     decode_started: float = 0.0
-    # The token path: prefill's render of this body (a vLLM `GenerateRequest`) and which prefill made it.
+    # The token path: prefill's render of this body (a vLLM `GenerateRequest`), its ids as uint32s (what the
+    # reuse check hashes and decode's packed form carries) and which prefill made it.
     rendered: dict[str, Any] | None = None
+    prompt_ids: array[int] | None = None
     render_prefill: BackendState | None = None
     render_ms: float | None = None
     # Whether decode gets the prompt's ids forwarded (it renders nothing then), and packed.
@@ -64,9 +68,11 @@ class Turn:
     # to the answer's last byte, closed by whoever sees that byte.
     inflight: contextlib.ExitStack[bool | None] = dataclasses.field(default_factory=contextlib.ExitStack)
 
-    @property
-    def prompt_ids(self) -> list[int] | None:
-        return self.rendered["token_ids"] if self.rendered is not None else None
+    def forwarded_ids(self) -> Sequence[int] | None:
+        """The ids decode's params carry: packed from the array, or the render's own list (no copy)."""
+        if not self.forward_ids or self.rendered is None:
+            return None
+        return self.prompt_ids if self.pack_ids else self.rendered["token_ids"]
 
     @property
     def dialect(self) -> Dialect:

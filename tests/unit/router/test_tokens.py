@@ -3,6 +3,7 @@ checked on token ids; and `TokenPrefix`, the fingerprint of what decode holds.""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import httpx
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._wire import PACKED_IDS_KEY, rendered_request, token_prefill, unpack_ids
+from agentkv._wire import PACKED_IDS_KEY, pack_ids, rendered_request, token_prefill, unpack_ids
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 
@@ -215,6 +216,28 @@ def test_token_prefix_property(prompt: list[int], suffix: list[int], data: st.Da
     assert not held.extended_by(changed + suffix)
 
 
+@given(
+    st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=60),
+    st.lists(st.integers(0, 2**32 - 1), max_size=20),
+    st.integers(1, 80),
+)
+def test_a_turns_id_array_fingerprints_and_packs_as_its_list_does(
+    prompt: list[int], suffix: list[int], offered: int
+) -> None:
+    """The router hashes and packs a turn's ids from their uint32 array; records written from the list (by
+    another replica, or before) must still match, and decode must read the same ids."""
+    ids = array("I", prompt)
+    assert TokenPrefix.of(ids, offered=offered, exact=False) == TokenPrefix.of(
+        prompt, offered=offered, exact=False
+    )
+    held = TokenPrefix.of(prompt, offered=offered, exact=False)
+    assert held is not None
+    longer = [*prompt, *suffix]
+    assert held.extended_by(array("I", longer)) == held.extended_by(longer)
+    assert pack_ids(ids) == pack_ids(prompt)
+    assert unpack_ids(pack_ids(ids)).tolist() == prompt
+
+
 def test_records_round_trip_the_token_fingerprint() -> None:
     held = TokenPrefix.of([1, 2, 3, 4], offered=3, exact=True)
     record = ConversationRecord(decode="d0", request_id="r", tokens=held, prefill="p1")
@@ -226,10 +249,12 @@ def test_records_round_trip_the_token_fingerprint() -> None:
 
 
 def test_token_prefill_asks_for_one_token_from_the_ids_on_either_route() -> None:
-    rendered = rendered_request(
+    answer = rendered_request(
         {"token_ids": [5, 6], "sampling_params": {"max_tokens": 50}, "stream": True, "cache_salt": "s1"}
     )
-    assert rendered is not None
+    assert answer is not None
+    rendered, ids = answer
+    assert list(ids) == [5, 6] and ids.typecode == "I"
     params = {"do_remote_decode": True}
     assert token_prefill(rendered, model="tiny", kv_params=params, generate=False) == (
         "/v1/completions",
@@ -256,6 +281,10 @@ def test_token_prefill_asks_for_one_token_from_the_ids_on_either_route() -> None
     )
     assert rendered_request([rendered, rendered]) is None  # several prompts: the text path
     assert rendered_request({"token_ids": [1, -2], "sampling_params": {}}) is None
+    assert rendered_request({"token_ids": [1, 2**32], "sampling_params": {}}) is None
+    assert rendered_request({"token_ids": [1, 2.0], "sampling_params": {}}) is None
+    assert rendered_request({"token_ids": [1, "2"], "sampling_params": {}}) is None
+    assert rendered_request({"token_ids": [], "sampling_params": {}}) is None
     assert rendered_request({"token_ids": [1], "sampling_params": {}, "features": {"mm": 1}}) is None
 
 
