@@ -122,7 +122,7 @@ def stream_turn(
         "ignore_eos": True,
     }
     t0 = time.perf_counter()
-    ttft = None
+    ttft = first_event = None
     text, usage = "", {}
     with httpx.stream(
         "POST", f"{router}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=600
@@ -137,14 +137,24 @@ def stream_turn(
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
             for ch in chunk.get("choices", []):
+                # vLLM's first chunk (the role) leaves with the first token, whatever its text.
+                first_event = first_event or time.perf_counter()
                 piece = (ch.get("delta") or {}).get("content")
                 if piece:
                     ttft = ttft or time.perf_counter()
                     text += piece
             usage = chunk.get("usage") or usage
     end = time.perf_counter()
+    if ttft is None:
+        # Tokens without text (a random model past its trained length emits some): the whole answer would
+        # pass for the first token. The first event is when the first token arrived.
+        print(f"warning: {cid}: no text in the answer; ttft_ms is the first event's time", flush=True)
     return {
-        "ttft_ms": round(((ttft or end) - t0) * 1e3, 2),
+        "ttft_ms": round(((ttft or first_event or end) - t0) * 1e3, 2),
+        # The first streamed event (vLLM sends the role with the first token): ttft_ms unless that token had
+        # no text of its own (a partial character, a skipped special token).
+        "first_event_ms": round(((first_event or end) - t0) * 1e3, 2),
+        "text_in_answer": ttft is not None,
         "latency_ms": round((end - t0) * 1e3, 2),
         "input_num_tokens": usage.get("prompt_tokens"),
         "output_num_tokens": usage.get("completion_tokens"),
