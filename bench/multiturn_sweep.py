@@ -252,112 +252,101 @@ def run_leg(
     on_turn: Callable[[], None] = lambda: None,
 ) -> list[dict[str, Any]]:
     with httpx.Client(timeout=600) as client:
-        return _run_leg(client, args, shape, leg, prefill_url, router, model, decode_url, on_turn)
-
-
-def _run_leg(
-    client: httpx.Client,
-    args: argparse.Namespace,
-    shape: str,
-    leg: str,
-    prefill_url: str,
-    router: str,
-    model: str,
-    decode_url: str | None,
-    on_turn: Callable[[], None],
-) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
-    lengths = [int(x) for x in args.lengths.split(",")]
-    for conv in range(args.conversations):
-        words = Words(args.model, seed=1000 * conv + 7)  # same text in both legs
-        if shape == "published":
-            plan = [(f"turn{i + 1}", n) for i, n in enumerate(lengths)]
-            convs = [plan]
-        else:
-            convs = [[("context", n), ("suffix", n + args.suffix)] for n in lengths]
-        for plan in convs:
-            cid = f"{leg}-{conv}-{uuid.uuid4().hex[:8]}"
-            history: list[dict[str, str]] = []
-            have = 0
-            for turn, (label, target) in enumerate(plan):
-                add = max(16, target - have)
-                history.append({"role": "user", "content": words.text(add)})
-                before = scrape(prefill_url)
-                d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
-                row = stream_turn(client, router, model, cid, history, args.output_tokens)
-                if leg == "agg":  # no router, no headers: the one server's hop is the whole turn
-                    row["prefill_ms"] = row["ttft_ms"]
-                after = scrape(prefill_url)
-                d_after = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
-                history.append({"role": "assistant", "content": row.pop("text")})
-                have = (row["input_num_tokens"] or target) + args.output_tokens
-                xfer = {k: after[k] - before[k] for k in NIXL}
-                row.update(
-                    leg=leg,
-                    shape=args.shape,
-                    conversation_id=cid,
-                    turn=turn + 1,
-                    label=label,
-                    target_tokens=target,
-                    transfer_ms=round(xfer["xfer_s"] * 1e3, 3),
-                    post_ms=round(xfer["post_s"] * 1e3, 3),
-                    transfer_bytes=int(xfer["bytes"]),
-                    descriptors=int(xfer["descriptors"]),
-                    transfers=int(xfer["xfers"]),
-                )
-                on_turn()
-                row.update(
-                    transfer_directions(
-                        {k: after[k] - before[k] for k in NIXL}, {k: d_after[k] - d_before[k] for k in NIXL}
+        rows: list[dict[str, Any]] = []
+        lengths = [int(x) for x in args.lengths.split(",")]
+        for conv in range(args.conversations):
+            words = Words(args.model, seed=1000 * conv + 7)  # same text in both legs
+            if shape == "published":
+                plan = [(f"turn{i + 1}", n) for i, n in enumerate(lengths)]
+                convs = [plan]
+            else:
+                convs = [[("context", n), ("suffix", n + args.suffix)] for n in lengths]
+            for plan in convs:
+                cid = f"{leg}-{conv}-{uuid.uuid4().hex[:8]}"
+                history: list[dict[str, str]] = []
+                have = 0
+                for turn, (label, target) in enumerate(plan):
+                    add = max(16, target - have)
+                    history.append({"role": "user", "content": words.text(add)})
+                    before = scrape(prefill_url)
+                    d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
+                    row = stream_turn(client, router, model, cid, history, args.output_tokens)
+                    if leg == "agg":  # no router, no headers: the one server's hop is the whole turn
+                        row["prefill_ms"] = row["ttft_ms"]
+                    after = scrape(prefill_url)
+                    d_after = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
+                    history.append({"role": "assistant", "content": row.pop("text")})
+                    have = (row["input_num_tokens"] or target) + args.output_tokens
+                    xfer = {k: after[k] - before[k] for k in NIXL}
+                    row.update(
+                        leg=leg,
+                        shape=args.shape,
+                        conversation_id=cid,
+                        turn=turn + 1,
+                        label=label,
+                        target_tokens=target,
+                        transfer_ms=round(xfer["xfer_s"] * 1e3, 3),
+                        post_ms=round(xfer["post_s"] * 1e3, 3),
+                        transfer_bytes=int(xfer["bytes"]),
+                        descriptors=int(xfer["descriptors"]),
+                        transfers=int(xfer["xfers"]),
                     )
-                )
-                row["ttft_two_node_ms"] = two_node_ttft_ms(row["ttft_ms"], row)
-                row["compute_ms"] = round(row["prefill_ms"] - row["transfer_ms"], 2)
-                row.update(
-                    phase_split(
-                        {k: after[k] - before[k] for k in PHASES},
-                        {k: d_after[k] - d_before[k] for k in PHASES},
-                        row["prefill_ms"],
-                        ttft_ms=row["ttft_ms"],
-                        render_ms=row["render_ms"],
+                    on_turn()
+                    row.update(
+                        transfer_directions(
+                            {k: after[k] - before[k] for k in NIXL},
+                            {k: d_after[k] - d_before[k] for k in NIXL},
+                        )
                     )
-                )
-                rows.append(row)
-                print(
-                    json.dumps(
-                        {
-                            k: row[k]
-                            for k in (
-                                "leg",
-                                "label",
-                                "input_num_tokens",
-                                "ttft_ms",
-                                "render_ms",
-                                "prefill_ms",
-                                "transfer_ms",
-                                "p_queue_ms",
-                                "p_api_ms",
-                                "d_api_ms",
-                                "p_engine_prefill_ms",
-                                "d_queue_ms",
-                                "bytes_d_to_p",
-                                "bytes_p_to_d",
-                                "ttft_two_node_ms",
-                                "reuse",
-                                "path",
-                            )
-                        }
-                    ),
-                    flush=True,
-                )
-            # Close the conversation as the SDK's Session.close does: decode releases its lease at once, so
-            # the next conversation finds decode's KV free (on a 32B shape one retained 24k turn fills it).
-            if leg != "agg":
-                httpx.delete(f"{router}/v1/conversations/{cid}", timeout=30)
-    return rows
+                    row["ttft_two_node_ms"] = two_node_ttft_ms(row["ttft_ms"], row)
+                    row["compute_ms"] = round(row["prefill_ms"] - row["transfer_ms"], 2)
+                    row.update(
+                        phase_split(
+                            {k: after[k] - before[k] for k in PHASES},
+                            {k: d_after[k] - d_before[k] for k in PHASES},
+                            row["prefill_ms"],
+                            ttft_ms=row["ttft_ms"],
+                            render_ms=row["render_ms"],
+                        )
+                    )
+                    rows.append(row)
+                    print(
+                        json.dumps(
+                            {
+                                k: row[k]
+                                for k in (
+                                    "leg",
+                                    "label",
+                                    "input_num_tokens",
+                                    "ttft_ms",
+                                    "render_ms",
+                                    "prefill_ms",
+                                    "transfer_ms",
+                                    "p_queue_ms",
+                                    "p_api_ms",
+                                    "d_api_ms",
+                                    "p_engine_prefill_ms",
+                                    "d_queue_ms",
+                                    "bytes_d_to_p",
+                                    "bytes_p_to_d",
+                                    "ttft_two_node_ms",
+                                    "reuse",
+                                    "path",
+                                )
+                            }
+                        ),
+                        flush=True,
+                    )
+                # Close the conversation as the SDK's Session.close does: decode releases its lease at
+                # once, so the next conversation finds decode's KV free (on a 32B shape one retained 24k
+                # turn fills it).
+                if leg != "agg":
+                    client.delete(f"{router}/v1/conversations/{cid}", timeout=30)
+        return rows
+
+    # Legs whose router reuses decode's KV (the engines run with bidirectional transfer).
 
 
-# Legs whose router reuses decode's KV (the engines run with bidirectional transfer).
 REUSE_LEGS = ("on", "exact")
 
 
