@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, TOKENIZER_CACHE_MODES
+from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
 __all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "plugin_fields"]
 
@@ -29,10 +29,11 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--forwarded-ids",
-        choices=("on", "off"),
+        choices=FORWARDED_IDS_MODES,
         default="on",
         help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
-        "rendering the messages again (vLLM 0.32+ does it itself, whatever this says)",
+        "rendering the messages again (vLLM 0.32+ does it itself); always: agentkv's code on 0.32+ too, "
+        "which also reads the ids packed",
     )
     add_fast_json_arg(ap)
 
