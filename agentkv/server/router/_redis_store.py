@@ -11,7 +11,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from ._store import ConversationRecord, StoreUnavailableError
+from ._store import ConversationRecord, StoreUnavailableError, record_ttl_s
 
 __all__ = ["RedisStore"]
 
@@ -83,9 +83,7 @@ class RedisStore:
 
     async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
         new = ConversationRecord.from_json({**record.to_json(), "version": expected + 1})
-        ttl = self._idle
-        if new.expires_at is not None:
-            ttl = max(new.expires_at - time.time(), 0.0) + self._margin
+        ttl = record_ttl_s(new, now=time.time(), margin_s=self._margin, idle_s=self._idle)
         with _unavailable():
             done = await self._cas(
                 keys=[self._key(key)],

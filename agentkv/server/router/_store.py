@@ -79,6 +79,14 @@ class ConversationRecord:
 EvictHook = Callable[[str, ConversationRecord], None]
 
 
+def record_ttl_s(record: ConversationRecord, *, now: float, margin_s: float, idle_s: float) -> float:
+    """How long a store keeps a record: to its lease's expiry plus `margin_s` (a late turn still finds its
+    decode and is told the blocks expired), or `idle_s` when it holds no lease (only stickiness is left)."""
+    if record.expires_at is None:
+        return idle_s
+    return max(record.expires_at - now, 0.0) + margin_s
+
+
 class ConversationStore(Protocol):
     """Async store keyed by `conversation_key(tenant, conversation_id)`.
 
@@ -112,36 +120,75 @@ class ConversationStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-class MemoryStore:
-    """LRU-bounded dict; O(1) per operation. `on_evict` hears about conversations pushed out by the bound
-    (the router releases their leases)."""
+# How often a memory store walks all its records for expired ones (O(n): ~10 ms per 100k records).
+_SWEEP_S = 30.0
 
-    def __init__(self, *, max_conversations: int = 100_000, on_evict: EvictHook | None = None) -> None:
-        self._data: OrderedDict[str, ConversationRecord] = OrderedDict()
+
+class MemoryStore:
+    """LRU-bounded dict; O(1) per operation but a sweep every `_SWEEP_S`. `on_evict` hears about
+    conversations pushed out by the bound (the router releases their leases).
+
+    Records expire as in Redis (`record_ttl_s`): a record of a 127k-token conversation holds decode's block
+    list and fingerprints, ~0.4 MB, and kept to the count bound alone, agents that come and go would fill
+    the router's memory with blocks no decode holds any more."""
+
+    def __init__(
+        self,
+        *,
+        max_conversations: int = 100_000,
+        ttl_margin_s: float = 60.0,
+        idle_ttl_s: float = 3600.0,
+        on_evict: EvictHook | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._data: OrderedDict[str, tuple[ConversationRecord, float]] = OrderedDict()  # record, deadline
         self._max = max_conversations
+        self._margin, self._idle = ttl_margin_s, idle_ttl_s
+        self._clock = clock
+        self._swept = clock()
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self.on_evict = on_evict
 
+    def _live(self, key: str, now: float) -> ConversationRecord | None:
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        if entry[1] <= now:
+            del self._data[key]
+            return None
+        return entry[0]
+
+    def _sweep(self, now: float) -> None:
+        self._swept = now
+        for key in [key for key, (_, deadline) in self._data.items() if deadline <= now]:
+            del self._data[key]
+
     async def get(self, key: str) -> ConversationRecord | None:
-        record = self._data.get(key)
+        record = self._live(key, self._clock())
         if record is not None:
             self._data.move_to_end(key)
         return record
 
     async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
-        current = self._data.get(key)
+        now = self._clock()
+        current = self._live(key, now)
         if (current.version if current else 0) != expected:
             return False
-        self._data[key] = dataclasses.replace(record, version=expected + 1)
+        ttl = record_ttl_s(record, now=now, margin_s=self._margin, idle_s=self._idle)
+        self._data[key] = (dataclasses.replace(record, version=expected + 1), now + ttl)
         self._data.move_to_end(key)
+        if now - self._swept >= _SWEEP_S:
+            self._sweep(now)
         while len(self._data) > self._max:
-            old_key, old = self._data.popitem(last=False)
+            old_key, (old, _) = self._data.popitem(last=False)
             if self.on_evict is not None:
                 self.on_evict(old_key, old)
         return True
 
     async def delete(self, key: str) -> ConversationRecord | None:
-        return self._data.pop(key, None)
+        record = self._live(key, self._clock())
+        self._data.pop(key, None)
+        return record
 
     @contextlib.asynccontextmanager
     async def lock(self, key: str, *, timeout: float) -> AsyncIterator[bool]:
@@ -167,6 +214,7 @@ class MemoryStore:
                 self._locks[key] = (lock, users - 1)
 
     async def count(self) -> int:
+        self._sweep(self._clock())
         return len(self._data)
 
     async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:

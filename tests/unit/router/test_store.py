@@ -73,6 +73,50 @@ async def test_memory_store_lru_evicts_least_recent_and_tells_the_hook() -> None
     assert evicted == ["b"] and await store.count() == 2
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_memory_store_records_expire_as_in_redis() -> None:
+    """A lease's record lives to its expiry plus the margin, one without a lease for the idle TTL; expired
+    records read as absent (a write expecting version 0 succeeds) and leave memory at the next sweep, read or
+    not, so conversations that come and go do not fill the router with blocks no decode holds."""
+    clock = Clock()
+    store = MemoryStore(ttl_margin_s=60, idle_ttl_s=3_600, clock=clock)
+    leased = dataclasses.replace(RECORD, expires_at=clock.now + 30)
+    bare = dataclasses.replace(RECORD, expires_at=None, retained=None, lease_state="none")
+    assert await store.compare_and_set("t/leased", leased, expected=0)
+    assert await store.compare_and_set("t/bare", bare, expected=0)
+    assert await store.compare_and_set("t/unread", leased, expected=0)
+    clock.now += 89
+    assert (await store.get("t/leased")) is not None  # 30 s lease + 60 s margin: still there
+    clock.now += 2
+    assert await store.get("t/leased") is None
+    assert await store.delete("t/leased") is None
+    assert await store.compare_and_set("t/leased", leased, expected=0)  # absent again: version 0
+    assert (await store.get("t/bare")) is not None
+    assert set(store._data) == {"t/leased", "t/bare"}  # the write swept the unread, expired one
+    clock.now += 3_600
+    assert await store.count() == 0
+    assert len(store._data) == 0
+
+
+async def test_memory_store_sweeps_while_writing() -> None:
+    clock = Clock()
+    store = MemoryStore(ttl_margin_s=0, clock=clock)
+    for i in range(100):
+        await store.compare_and_set(
+            f"t/{i}", dataclasses.replace(RECORD, expires_at=clock.now + 1), expected=0
+        )
+    clock.now += 31  # past the records' deadlines and the sweep interval
+    await store.compare_and_set("t/new", RECORD, expected=0)
+    assert list(store._data) == ["t/new"]
+
+
 @pytest.fixture
 async def redis_store(redis_url: str):
     store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:")
