@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -163,18 +163,36 @@ class ScriptedReply:
         return httpx.Response(self.status, headers=headers, stream=_Body(parts, break_after=self.break_after))
 
 
-class ScriptedRouter:
-    """Answers each request with the next scripted reply and records what it was sent."""
+def _no_control_plane(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(404, json={"detail": "Not Found"})
 
-    def __init__(self, replies: Iterable[ScriptedReply | Exception] = ()) -> None:
+
+class ScriptedRouter:
+    """Answers each model call with the next scripted reply and records what it was sent.
+
+    A session sends its heartbeats and its release on the same client as its turns. Those control-plane
+    calls (``/conversations/...``) are kept apart, in ``control_requests``, and answered by ``control``: by
+    default a 404, as from a server without the endpoints, which a session takes in its stride."""
+
+    def __init__(
+        self,
+        replies: Iterable[ScriptedReply | Exception] = (),
+        *,
+        control: Callable[[httpx.Request], httpx.Response] = _no_control_plane,
+    ) -> None:
         self.replies: deque[ScriptedReply | Exception] = deque(replies)
         self.requests: list[httpx.Request] = []
+        self.control_requests: list[httpx.Request] = []
+        self.control = control
 
     def add(self, *replies: ScriptedReply | Exception) -> ScriptedRouter:
         self.replies.extend(replies)
         return self
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if "/conversations/" in request.url.path:
+            self.control_requests.append(request)
+            return self.control(request)
         self.requests.append(request)
         if not self.replies:
             raise AssertionError(f"unscripted request: {request.method} {request.url}")

@@ -223,17 +223,19 @@ class AsyncTransport(_TransportBase):
 
 
 class _ControlBase:
+    """What both control clients send: absolute URLs with the key and timeout on each request, so the client
+    may be the caller's own (one connection pool for a session's turns and heartbeats, and for many
+    sessions at once; building an httpx client costs ~20 ms, most of it its TLS context)."""
+
     def __init__(self, *, base_url: str, api_key: str | None, timeout: float) -> None:
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client_options: dict[str, Any] = {
-            "base_url": base_url.rstrip("/") + "/",
-            "headers": headers,
+        self._base = base_url.rstrip("/") + "/"
+        self._request_options: dict[str, Any] = {
+            "headers": {"authorization": f"Bearer {api_key}"} if api_key else {},
             "timeout": timeout,
         }
 
-    @staticmethod
-    def _path(conversation_id: str, suffix: str = "") -> str:
-        return f"conversations/{conversation_id}{suffix}"
+    def _path(self, conversation_id: str, suffix: str = "") -> str:
+        return f"{self._base}conversations/{conversation_id}{suffix}"
 
     @staticmethod
     def _interpret(response: httpx.Response) -> dict[str, Any] | None:
@@ -264,13 +266,21 @@ class _ControlBase:
 class ControlClient(_ControlBase):
     """Conversation lookup / heartbeat / release and model listing (sync)."""
 
-    def __init__(self, *, base_url: str, api_key: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 5.0,
+        http_client: httpx.Client | None = None,
+    ) -> None:
         super().__init__(base_url=base_url, api_key=api_key, timeout=timeout)
-        self._http = httpx.Client(**self._client_options)
+        self._owns_http = http_client is None
+        self._http = http_client if http_client is not None else httpx.Client()
 
-    def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any] | None:
+    def _send(self, method: str, url: str, **kwargs: Any) -> dict[str, Any] | None:
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(method, url, **self._request_options, **kwargs)
         except httpx.HTTPError as exc:
             raise self._map(exc) from exc
         return self._interpret(response)
@@ -286,22 +296,31 @@ class ControlClient(_ControlBase):
         return self._send("DELETE", self._path(conversation_id))
 
     def models(self) -> list[str]:
-        return self._model_ids(self._send("GET", "models"))
+        return self._model_ids(self._send("GET", f"{self._base}models"))
 
     def close(self) -> None:
-        self._http.close()
+        if self._owns_http:
+            self._http.close()
 
 
 class AsyncControlClient(_ControlBase):
     """Conversation lookup / heartbeat / release and model listing (async)."""
 
-    def __init__(self, *, base_url: str, api_key: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 5.0,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
         super().__init__(base_url=base_url, api_key=api_key, timeout=timeout)
-        self._http = httpx.AsyncClient(**self._client_options)
+        self._owns_http = http_client is None
+        self._http = http_client if http_client is not None else httpx.AsyncClient()
 
-    async def _send(self, method: str, path: str, **kwargs: Any) -> dict[str, Any] | None:
+    async def _send(self, method: str, url: str, **kwargs: Any) -> dict[str, Any] | None:
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.request(method, url, **self._request_options, **kwargs)
         except httpx.HTTPError as exc:
             raise self._map(exc) from exc
         return self._interpret(response)
@@ -319,10 +338,11 @@ class AsyncControlClient(_ControlBase):
         return await self._send("DELETE", self._path(conversation_id))
 
     async def models(self) -> list[str]:
-        return self._model_ids(await self._send("GET", "models"))
+        return self._model_ids(await self._send("GET", f"{self._base}models"))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._owns_http:
+            await self._http.aclose()
 
 
 def first_model(base_url: str, *, api_key: str | None = None) -> str:

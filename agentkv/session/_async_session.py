@@ -9,6 +9,7 @@ import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+import httpx
 from openai.types.chat import ChatCompletionMessage
 
 from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_SESSION_HEADER
@@ -70,7 +71,9 @@ class AsyncSession(BaseSession):
             clock=clock,
             sleep=sleep,
         )
-        self._control = AsyncControlClient(base_url=base_url, api_key=key)
+        # The caller's client carries the heartbeats too (one pool); an httpx2 client (openai >= 3) does not.
+        shared = http_client if isinstance(http_client, httpx.AsyncClient) else None
+        self._control = AsyncControlClient(base_url=base_url, api_key=key, http_client=shared)
         conversation = self._core.conversation_id
         control = self._control
         self._heartbeat = HeartbeatTask(

@@ -10,6 +10,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import httpx
 from openai.types.chat import ChatCompletionMessage
 
 from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_SESSION_HEADER
@@ -76,7 +77,9 @@ class Session(BaseSession):
             clock=clock,
             sleep=sleep,
         )
-        self._control = ControlClient(base_url=base_url, api_key=key)
+        # The caller's client carries the heartbeats too (one pool); an httpx2 client (openai >= 3) does not.
+        shared = http_client if isinstance(http_client, httpx.Client) else None
+        self._control = ControlClient(base_url=base_url, api_key=key, http_client=shared)
         conversation = self._core.conversation_id
         control = self._control
         self._heartbeat = HeartbeatThread(

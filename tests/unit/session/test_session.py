@@ -6,7 +6,7 @@ import respx
 
 from agentkv import SessionClosedError, StreamInterruptedError
 from agentkv.client import ScriptedReply, ScriptedRouter, router_headers
-from agentkv.session import Session
+from agentkv.session import AsyncSession, Session
 
 from .conftest import BASE, FakeClock
 
@@ -135,15 +135,18 @@ def test_closed_session_refuses_turns(control: respx.MockRouter) -> None:
 
 
 def test_close_releases_the_conversation(control: respx.MockRouter) -> None:
-    session = make(ScriptedRouter(), conversation_id="conv-close")
+    router = ScriptedRouter(control=control.handler)  # the release rides the session's own client
+    session = make(router, conversation_id="conv-close")
     session.close()
     session.close()  # idempotent
     assert [c.request.url.path for c in control.calls] == ["/v1/conversations/conv-close"]
+    assert len(router.control_requests) == 1 and not router.requests
 
 
 def test_close_without_release(control: respx.MockRouter) -> None:
-    make(ScriptedRouter()).close(release=False)
-    assert not control.calls
+    router = ScriptedRouter(control=control.handler)
+    make(router).close(release=False)
+    assert not control.calls and not router.control_requests
 
 
 @pytest.mark.parametrize("answer", [httpx.Response(404), httpx.Response(405), httpx.ConnectError("down")])
@@ -154,7 +157,7 @@ def test_close_tolerates_servers_without_the_endpoint(answer: object) -> None:
             route.mock(side_effect=answer)
         else:
             route.mock(return_value=answer)
-        make(ScriptedRouter()).close()
+        make(ScriptedRouter(control=mock.handler)).close()
         assert route.called
 
 
@@ -170,7 +173,8 @@ def test_expired_lease_seen_by_heartbeat_is_recorded_on_the_next_turn(
         [
             ScriptedReply.completion(headers=router_headers(reuse="miss", lease_expires_in_s=30)),
             ScriptedReply.completion(headers=router_headers(reuse="miss", path="recompute")),
-        ]
+        ],
+        control=control.handler,
     )
     session = make(router, heartbeat=True, clock=clock)
     monkeypatch.setattr(session._heartbeat, "notify", lambda: None)  # no thread: beat by hand
@@ -201,3 +205,49 @@ def test_final_turn_sends_the_header_and_plans_no_heartbeat(
     assert router.requests[1].headers["x-agentkv-final-turn"] == "true"
     assert session._core.scheduler.due_in(0.0) is None
     session.close()
+
+
+async def test_sessions_on_one_client_send_everything_through_it_and_leave_it_open() -> None:
+    """Many agents share one client: each session's turns, heartbeats and release go through it (no client
+    and pool of its own per session), and closing a session does not close it."""
+
+    def lease(request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            return httpx.Response(200, json={"released": True})
+        return httpx.Response(200, json={"lease": {"state": "held", "expires_in_s": 30.0, "renewable": True}})
+
+    router = ScriptedRouter([ScriptedReply.completion(), ScriptedReply.completion()], control=lease)
+    async with httpx.AsyncClient(transport=router.transport()) as shared:
+        sessions = [
+            AsyncSession(base_url=BASE, model="m", http_client=shared, heartbeat=False) for _ in range(2)
+        ]
+        for session in sessions:
+            await session.chat("hi")
+            assert await session.lease() is not None
+            await session.aclose()
+        assert not shared.is_closed
+    paths = [(r.method, r.url.path.rsplit("/", 1)[0]) for r in router.control_requests]
+    assert paths == [("GET", "/v1/conversations"), ("DELETE", "/v1/conversations")] * 2
+    assert len(router.requests) == 2
+
+
+def test_a_session_on_one_client_heartbeats_through_it() -> None:
+    clock = FakeClock()
+    beats: list[str] = []
+
+    def lease(request: httpx.Request) -> httpx.Response:
+        beats.append(request.url.path)
+        return httpx.Response(200, json={"lease": {"state": "held", "expires_in_s": 30.0, "renewable": True}})
+
+    router = ScriptedRouter(
+        [ScriptedReply.completion(headers=router_headers(reuse="miss", lease_expires_in_s=30))], control=lease
+    )
+    with httpx.Client(transport=router.transport()) as shared:
+        session = Session(base_url=BASE, model="m", http_client=shared, clock=clock)
+        session._heartbeat.notify = lambda: None  # type: ignore[method-assign]  # no thread: beat by hand
+        session.chat("one")
+        clock.advance(10.0)
+        session._heartbeat.run_once()
+        session.close()
+        assert not shared.is_closed
+    assert beats[0].endswith("/heartbeat") and beats[-1] == f"/v1/conversations/{session.conversation_id}"
