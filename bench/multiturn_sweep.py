@@ -117,8 +117,8 @@ def stream_turn(
     out_tokens: int,
 ) -> dict[str, Any]:
     """One streamed turn, timed from the request's send on `client`, a client kept for the whole leg as an
-    agent keeps one: building an `httpx.Client` per turn (`httpx.stream`) costs ~21 ms on this CPU, most of
-    it its TLS context, and every TTFT measured that way carried it."""
+    agent keeps one: a client built per turn (`httpx.stream`) would put its construction into every TTFT
+    (~21 ms on a 2-core CPU, most of it its TLS context)."""
     body = {
         "model": model,
         "messages": messages,
