@@ -99,8 +99,8 @@ class RouterSettings(BaseSettings):
     decode_local_max_tokens: int = Field(default=512, ge=0)
     # Conditional disaggregation (as in Dynamo): once the least busy prefill has this many P hops in flight
     # (prompts being computed; renders do not count), turns are prefilled on their decode whatever their
-    # length, cold ones included. 0: never. Not in exact mode. Counts this router's hops only (replicas do
-    # not share it).
+    # length, cold ones included. 0: never. Not in exact mode. Counts every replica's hops where the store
+    # is shared (Redis), this router's own otherwise.
     prefill_queue_cap: int = Field(default=4, ge=0)
     lease_s: float = Field(default=DEFAULT_LEASE_S, gt=0)
     max_lease_s: float = Field(default=DEFAULT_MAX_LEASE_S, gt=0)
