@@ -234,7 +234,7 @@ class _ControlBase:
             "timeout": timeout,
         }
 
-    def _path(self, conversation_id: str, suffix: str = "") -> str:
+    def _conversation_url(self, conversation_id: str, suffix: str = "") -> str:
         return f"{self._base}conversations/{conversation_id}{suffix}"
 
     @staticmethod
@@ -286,14 +286,14 @@ class ControlClient(_ControlBase):
         return self._interpret(response)
 
     def lookup(self, conversation_id: str) -> dict[str, Any] | None:
-        return self._send("GET", self._path(conversation_id))
+        return self._send("GET", self._conversation_url(conversation_id))
 
     def heartbeat(self, conversation_id: str, *, extend_s: float | None = None) -> dict[str, Any] | None:
         body = None if extend_s is None else {"extend_s": extend_s}
-        return self._send("POST", self._path(conversation_id, "/heartbeat"), json=body)
+        return self._send("POST", self._conversation_url(conversation_id, "/heartbeat"), json=body)
 
     def release(self, conversation_id: str) -> dict[str, Any] | None:
-        return self._send("DELETE", self._path(conversation_id))
+        return self._send("DELETE", self._conversation_url(conversation_id))
 
     def models(self) -> list[str]:
         return self._model_ids(self._send("GET", f"{self._base}models"))
@@ -326,16 +326,16 @@ class AsyncControlClient(_ControlBase):
         return self._interpret(response)
 
     async def lookup(self, conversation_id: str) -> dict[str, Any] | None:
-        return await self._send("GET", self._path(conversation_id))
+        return await self._send("GET", self._conversation_url(conversation_id))
 
     async def heartbeat(
         self, conversation_id: str, *, extend_s: float | None = None
     ) -> dict[str, Any] | None:
         body = None if extend_s is None else {"extend_s": extend_s}
-        return await self._send("POST", self._path(conversation_id, "/heartbeat"), json=body)
+        return await self._send("POST", self._conversation_url(conversation_id, "/heartbeat"), json=body)
 
     async def release(self, conversation_id: str) -> dict[str, Any] | None:
-        return await self._send("DELETE", self._path(conversation_id))
+        return await self._send("DELETE", self._conversation_url(conversation_id))
 
     async def models(self) -> list[str]:
         return self._model_ids(await self._send("GET", f"{self._base}models"))
