@@ -17,7 +17,10 @@ reuse side produced), both sides answer each reuse turn twice:
   with a fresh salt (nothing is reused).
 
 Reported per side: the share of reuse turns whose greedy token ids equal the recompute's, and the largest
-difference of the first token's logprob. Writes ``agreement.json`` and ``agreement.png``.
+difference of the first token's logprob. A P/D recompute is not a single server's: decode computes the
+prompt's last token alone over prefill's KV. So the single server also answers every P/D side's reuse turns
+with a fresh salt (one prefill of the whole prompt), and each P/D side reports how often its reuse answer and
+its recompute each equal that common reference. Writes ``agreement.json`` and ``agreement.png``.
 """
 
 from __future__ import annotations
@@ -113,6 +116,9 @@ def run_side(
                         "cached_tokens": on["cached_tokens"],
                         "same_tokens": on["tokens"] == off["tokens"],
                         "first_logprob_diff": abs(on["first_logprob"] - off["first_logprob"]),
+                        "tokens": on["tokens"],
+                        "recompute_tokens": off["tokens"],
+                        "history": list(history),
                     }
                 )
             progress.advance(task)
@@ -178,7 +184,10 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
         cluster.down()
 
 
-def _single_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
+def _single_side(
+    args: argparse.Namespace, seeds: range, logs: Path, pd_rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The single server's own side, then its fresh answer to every P/D reuse turn (the common reference)."""
     from agentkv.server._launcher import Engine, EngineSpec
 
     spec = EngineSpec(
@@ -197,13 +206,21 @@ def _single_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dic
         engine.wait_healthy(timeout_s=900)
         model = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]["id"]
         send = _sender(spec.url, model)
-        return run_side(
+        rows = run_side(
             "single server",
             seeds,
             reuse=lambda m, key: send(m, key, salt=True),
             recompute=lambda m: send(m, uuid.uuid4().hex, salt=True),
             wordlevel=args.wordlevel,
         )
+        with make_progress() as progress:
+            task = progress.add_task("reference", total=len(pd_rows))
+            for row in pd_rows:
+                reference = send(row["history"], uuid.uuid4().hex, salt=True)["tokens"]
+                row["same_as_reference"] = row["tokens"] == reference
+                row["recompute_same_as_reference"] = row["recompute_tokens"] == reference
+                progress.advance(task)
+        return rows
     finally:
         engine.stop()
 
@@ -242,10 +259,14 @@ def main(argv: list[str] | None = None) -> None:
     args.wordlevel = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
-    rows = _pd_side(args, seeds, logs / "pd") + _single_side(args, seeds, logs)
-    summary = {}
+    pd_rows = _pd_side(args, seeds, logs / "pd")
+    rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
+    for r in rows:
+        del r["history"]
+    summary: dict[str, dict[str, Any]] = {}
     for side in dict.fromkeys(r["side"] for r in rows):
         mine = [r for r in rows if r["side"] == side]
+        reference = [r for r in mine if "same_as_reference" in r]
         summary[side] = {
             "turns": len(mine),
             "same_tokens": sum(r["same_tokens"] for r in mine),
@@ -253,16 +274,31 @@ def main(argv: list[str] | None = None) -> None:
             "reused": sum(r["reuse"] in ("hit", "local") for r in mine),
             "paths": sorted({str(r["reuse"]) for r in mine}),
             "cached_tokens_reported": sum(bool(r["cached_tokens"]) for r in mine),
+            # Against the single server's fresh recompute of the same history (P/D sides only).
+            "same_as_reference": sum(r["same_as_reference"] for r in reference) if reference else None,
+            "recompute_same_as_reference": (
+                sum(r["recompute_same_as_reference"] for r in reference) if reference else None
+            ),
         }
     print_table(
         "greedy agreement of reuse turns with a recompute",
-        ["side", "reuse turns", "same token ids", "max |d first logprob|", "router: reused (verdicts)"],
+        [
+            "side",
+            "reuse turns",
+            "same token ids",
+            "max |d first logprob|",
+            "reuse = single recompute",
+            "recompute = single recompute",
+            "router: reused (verdicts)",
+        ],
         [
             [
                 side,
                 s["turns"],
                 s["same_tokens"],
                 s["max_first_logprob_diff"],
+                "-" if s["same_as_reference"] is None else s["same_as_reference"],
+                "-" if s["recompute_same_as_reference"] is None else s["recompute_same_as_reference"],
                 f"{s['reused']} ({', '.join(s['paths'])})" if side != "single server" else "-",
             ]
             for side, s in summary.items()
