@@ -244,25 +244,12 @@ def plot(rows: list[dict[str, Any]], out: Path) -> Path:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=12)
-    ap.add_argument("--model", default=".agentkv/models/tiny")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
-    ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
-    args = ap.parse_args(argv)
-    from agentkv.server._model import ensure_tiny_model
+def _public(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows as written: without the histories (the seeds regenerate them)."""
+    return [{k: v for k, v in r.items() if k != "history"} for r in rows]
 
-    if args.device == "cpu":
-        ensure_tiny_model(Path(args.model))
-    args.wordlevel = Words(args.model, seed=0).wordlevel
-    seeds = range(900, 900 + args.seeds)
-    logs = Path(".agentkv/bench-logs/agreement")
-    pd_rows = _pd_side(args, seeds, logs / "pd")
-    rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
-    for r in rows:
-        del r["history"]
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     summary: dict[str, dict[str, Any]] = {}
     for side in dict.fromkeys(r["side"] for r in rows):
         mine = [r for r in rows if r["side"] == side]
@@ -280,6 +267,30 @@ def main(argv: list[str] | None = None) -> None:
                 sum(r["recompute_same_as_reference"] for r in reference) if reference else None
             ),
         }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=12)
+    ap.add_argument("--model", default=".agentkv/models/tiny")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
+    ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
+    args = ap.parse_args(argv)
+    from agentkv.server._model import ensure_tiny_model
+
+    if args.device == "cpu":
+        ensure_tiny_model(Path(args.model))
+    args.wordlevel = Words(args.model, seed=0).wordlevel
+    seeds = range(900, 900 + args.seeds)
+    logs = Path(".agentkv/bench-logs/agreement")
+    pd_rows = _pd_side(args, seeds, logs / "pd")
+    # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.
+    partial = {"partial": "P/D sides only", "summary": _summary(pd_rows), "turns": _public(pd_rows)}
+    write_results(NAME, partial, out_dir=args.out)
+    rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
+    summary = _summary(rows)
     print_table(
         "greedy agreement of reuse turns with a recompute",
         [
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = results_dir(NAME, args.out)
     plot(rows, out)
-    write_results(NAME, {"summary": summary, "turns": rows}, out_dir=args.out)
+    write_results(NAME, {"summary": summary, "turns": _public(rows)}, out_dir=args.out)
 
 
 if __name__ == "__main__":
