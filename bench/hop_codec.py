@@ -13,11 +13,17 @@ answer's ids, the reuse check's digest of what decode holds, decode's packed ids
 done on the list at each use as the router did (a Python loop for the check, a uint32 copy per digest and for
 the packing) beside one uint32 array made by the check and read by the rest (`agentkv._wire.rendered_request`,
 `TokenPrefix`, `pack_ids`).
+
+Last, the conversation's record as a router on the Redis store writes it after every turn and reads it at the
+next (decode's block list, one id per block of 16 tokens, and the fingerprints): the record copied deeply and
+twice through `dataclasses.asdict` and written with `json`, as the store did, beside one shallow dict written
+with msgspec (`RedisStore`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import random
@@ -29,6 +35,7 @@ from typing import Any
 
 from agentkv._wire import pack_ids, rendered_request
 from agentkv.server.router import _codec
+from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 from bench._common import (
     line_chart,
@@ -71,6 +78,32 @@ def _ids_one_array(answer: dict[str, Any]) -> None:
     pack_ids(ids)
 
 
+def _record(n: int, ids: list[int]) -> ConversationRecord:
+    retained = {
+        "do_remote_prefill": True,
+        "remote_block_ids": list(range(50_000, 50_000 + n // 16)),
+        "remote_engine_id": "decode-0-7f3c2a",
+        "remote_host": "10.0.0.2",
+        "remote_port": 5600,
+        "remote_request_id": "chatcmpl-agentkv-0123456789abcdef",
+        "remote_num_tokens": n,
+    }
+    tokens = TokenPrefix.of(ids, offered=n, exact=False)
+    return ConversationRecord(
+        decode="decode-0", request_id="r", retained=retained, expires_at=1e9, retained_tokens=n, tokens=tokens
+    )
+
+
+def _record_deep_json(record: ConversationRecord) -> None:
+    new = ConversationRecord.from_json({**dataclasses.asdict(record), "version": 1})
+    ConversationRecord.from_json(json.loads(json.dumps(dataclasses.asdict(new))))
+
+
+def _record_shallow_msgspec(record: ConversationRecord) -> None:
+    new = dataclasses.replace(record, version=1)
+    ConversationRecord.from_json(_codec.decode(_codec.encode(new.to_json())))
+
+
 def _median_ms(fn: Callable[[Any], object], arg: Any, rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -107,6 +140,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "per use (list)": _median_ms(_ids_per_use, answer, args.rounds),
             "one array (agentkv)": _median_ms(_ids_one_array, answer, args.rounds),
         }
+        record = _record(n, answer["token_ids"])
+        row["record"] = {
+            "asdict + json": _median_ms(_record_deep_json, record, args.rounds),
+            "shallow + msgspec (agentkv)": _median_ms(_record_shallow_msgspec, record, args.rounds),
+        }
         rows.append(row)
     labels = list(codecs)
     print_table(
@@ -121,6 +159,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "the router's work on the ids per turn (check, two digests, packed form), median ms",
         ["context tokens", *rows[0]["ids"]],
         [[r["tokens"], *r["ids"].values()] for r in rows],
+    )
+    print_table(
+        "the conversation record on the Redis store per turn (write, then read), median ms",
+        ["context tokens", *rows[0]["record"]],
+        [[r["tokens"], *r["record"].values()] for r in rows],
     )
     out = results_dir(NAME, args.out)
     line_chart(

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+from . import _codec
 from ._store import ConversationRecord, StoreUnavailableError, record_ttl_s
 
 __all__ = ["RedisStore"]
@@ -78,16 +79,15 @@ class RedisStore:
             data = await self._redis.hget(self._key(key), "data")
         if data is None:
             return None
-        record = ConversationRecord.from_json(json.loads(data))
-        return record
+        return ConversationRecord.from_json(_codec.decode(data))
 
     async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
-        new = ConversationRecord.from_json({**record.to_json(), "version": expected + 1})
+        new = dataclasses.replace(record, version=expected + 1)
         ttl = record_ttl_s(new, now=time.time(), margin_s=self._margin, idle_s=self._idle)
         with _unavailable():
             done = await self._cas(
                 keys=[self._key(key)],
-                args=[str(expected), str(expected + 1), json.dumps(new.to_json()), max(math.ceil(ttl), 1)],
+                args=[str(expected), str(expected + 1), _codec.encode(new.to_json()), max(math.ceil(ttl), 1)],
             )
         return bool(done)
 
@@ -97,7 +97,7 @@ class RedisStore:
                 pipe.hget(self._key(key), "data")
                 pipe.delete(self._key(key))
                 data, _ = await pipe.execute()
-        return ConversationRecord.from_json(json.loads(data)) if data is not None else None
+        return ConversationRecord.from_json(_codec.decode(data)) if data is not None else None
 
     @contextlib.asynccontextmanager
     async def lock(self, key: str, *, timeout: float) -> AsyncIterator[bool]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import time
 import uuid
 
@@ -11,6 +12,7 @@ import pytest
 
 from agentkv.server.router import ConversationRecord, MemoryStore, RedisStore
 from agentkv.server.router._prefix import Prefix
+from agentkv.server.router._tokens import TokenPrefix
 
 RECORD = ConversationRecord(
     decode="d0",
@@ -20,6 +22,7 @@ RECORD = ConversationRecord(
     lease_state="held",
     retained_tokens=12,
     prefix=Prefix(items=2, chars=40, digest="ab"),
+    tokens=TokenPrefix(held=12, must_exceed=12, digest="cd"),
 )
 
 
@@ -127,6 +130,16 @@ async def redis_store(redis_url: str):
 async def test_redis_store_cas_and_lock(redis_store: RedisStore) -> None:
     await check_cas(redis_store)
     await check_lock(redis_store)
+
+
+async def test_redis_store_reads_records_in_the_standard_librarys_json(redis_store: RedisStore) -> None:
+    # A replica of an earlier release wrote `json.dumps` of the whole record: a rolling upgrade reads it.
+    record = dataclasses.replace(RECORD, version=3)
+    data = json.dumps(dataclasses.asdict(record))
+    await redis_store._redis.hset(redis_store._key("t/old"), mapping={"version": "3", "data": data})
+    assert await redis_store.get("t/old") == record
+    assert await redis_store.compare_and_set("t/old", dataclasses.replace(record, decode="d1"), expected=3)
+    assert await redis_store.get("t/old") == dataclasses.replace(record, decode="d1", version=4)
 
 
 async def test_redis_survives_router_restart_and_scopes_by_prefix(redis_url: str) -> None:
