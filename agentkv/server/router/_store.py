@@ -60,7 +60,8 @@ class ConversationRecord:
         return ("expired", 0.0) if left <= 0 else (self.lease_state, left)
 
     def to_json(self) -> dict[str, Any]:
-        # Shallow: `dataclasses.asdict` copies decode's block list id by id, milliseconds per write at 127k tokens.
+        # Shallow: `dataclasses.asdict` copies decode's block list id by id (milliseconds per write at
+        # 127k tokens).
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["prefix"] = self.prefix.to_json() if self.prefix else None
         data["tokens"] = self.tokens.to_json() if self.tokens else None

@@ -1,9 +1,14 @@
+import json
+from typing import Any
+
 import httpx
+import openai
 import pytest
 import respx
+from openai.types.chat import ChatCompletionMessage
 
 from agentkv import APIStatusError, ConfigError, ConnectError
-from agentkv.client import ControlClient, Deadline, Timeouts, first_model, turn_headers
+from agentkv.client import ControlClient, Deadline, Timeouts, Transport, first_model, turn_headers
 
 BASE = "http://router.test/v1"
 
@@ -72,3 +77,61 @@ def test_first_model() -> None:
     route.respond(200, json={"object": "list", "data": []})
     with pytest.raises(ConfigError):
         first_model(BASE)
+
+
+def _sent_body(send: Any) -> dict[str, Any]:
+    bodies: list[bytes] = []
+    completion = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "tiny",
+        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
+    }
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        bodies.append(request.content)
+        return httpx.Response(200, json=completion)
+
+    with httpx.Client(transport=httpx.MockTransport(handle)) as client:
+        send(client)
+    (body,) = bodies
+    return json.loads(body)
+
+
+def test_messages_sent_as_is_give_the_body_the_sdks_transform_gives() -> None:
+    history = [
+        {"role": "system", "content": "You are terse."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "u"}}],
+        },
+        {
+            "role": "assistant",
+            "content": None,
+            "reasoning_content": "look it up",  # a key the SDK's types do not know
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "é 42"},
+        dict(ChatCompletionMessage(role="assistant", content="from a reply")),  # pydantic values inside
+    ]
+    params = {
+        "model": "tiny",
+        "messages": history,
+        "max_tokens": 8,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+        "extra_body": {"prompt_cache_key": "c1", "top_k": 5},
+    }
+
+    def sdk(client: httpx.Client) -> None:
+        openai.OpenAI(base_url=BASE, api_key="k", http_client=client).chat.completions.create(
+            **params, stream=False
+        )
+
+    def ours(client: httpx.Client) -> None:
+        Transport(base_url=BASE, api_key="k", http_client=client).complete(params)
+
+    assert _sent_body(ours) == _sent_body(sdk)
+    assert _sent_body(ours)["messages"][3]["content"] == "é 42"
