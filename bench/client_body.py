@@ -9,12 +9,15 @@ side sends the whole conversation once per turn through the same ``openai.OpenAI
 transport that answers at once: ``chat.completions.create`` as an application calls it (the SDK walks every
 message through its TypedDict transform), and ``agentkv.client.Transport`` (``Session``'s transport, which
 hands the SDK the messages as they are, ``agentkv.client._transport.messages_as_is``). Both send the same
-body (tests/unit/client/test_transport.py). Median ms of ``--rounds`` per turn.
+body (tests/unit/client/test_transport.py). With the ``langchain`` extra installed, also LangChain's
+``ChatOpenAI`` beside agentkv's ``AgentKVChatOpenAI`` on the same messages (tests/unit/integrations).
+Median ms of ``--rounds`` per turn.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import time
 from collections.abc import Callable
@@ -53,6 +56,22 @@ def conversation(tokens: int, tool_tokens: int, rng: random.Random) -> list[dict
     return messages
 
 
+def _langchain_sides(http: httpx.Client, messages: list[dict[str, Any]]) -> dict[str, Callable[[], object]]:
+    from langchain_core.messages import convert_to_messages
+    from langchain_openai import ChatOpenAI
+
+    from agentkv.integrations.langchain import AgentKVChatOpenAI
+
+    history = convert_to_messages(messages)
+    options: dict[str, Any] = {"model": "m", "base_url": "http://router.test/v1", "api_key": "k"}
+    plain = ChatOpenAI(**options, http_client=http, max_retries=0)
+    ours = AgentKVChatOpenAI(**options, http_client=http, max_retries=0)
+    return {
+        "LangChain ChatOpenAI": lambda: plain.invoke(history, max_tokens=8),
+        "AgentKVChatOpenAI": lambda: ours.invoke(history, max_tokens=8),
+    }
+
+
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -82,6 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "openai create": lambda p=params: sdk.chat.completions.create(**p),
             "agentkv Transport": lambda p=params: ours.complete(p),
         }
+        if importlib.util.find_spec("langchain_openai") is not None:
+            sides.update(_langchain_sides(http, messages))
         row: dict[str, Any] = {"tokens": n, "messages": len(messages)}
         for label, send in sides.items():
             send()

@@ -10,6 +10,7 @@ from agentkv.client._transport import (
     Timeouts,
     Transport,
     first_model,
+    messages_as_is,
     new_request_id,
     turn_headers,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "Timeouts",
     "Transport",
     "first_model",
+    "messages_as_is",
     "new_request_id",
     "router_headers",
     "turn_headers",

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from agentkv._constants import DEFAULT_SESSION_HEADER
-from agentkv.client import new_request_id, turn_headers
+from agentkv.client import messages_as_is, new_request_id, turn_headers
 from agentkv.integrations._require import require
 from agentkv.integrations._stats import TurnLog
 from agentkv.session import Session, TurnStats, new_conversation_id
@@ -71,6 +71,14 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             "extra_headers": {**(kwargs.get("extra_headers") or {}), **headers},
             "extra_body": body,
         }
+
+    def _get_request_payload(self, input_: Any, *, stop: Any = None, **kwargs: Any) -> dict[str, Any]:
+        payload: dict[str, Any] = super()._get_request_payload(input_, stop=stop, **kwargs)
+        # Chat completions send the converted messages past the SDK's per-message transform (as `Session`
+        # does); structured output goes through the SDK's `parse`, which reads them, so it keeps them.
+        if "messages" in payload and "response_format" not in payload:
+            payload.update(messages_as_is(payload["messages"], payload.get("extra_body")))
+        return payload
 
     def _touch(self, headers: Mapping[str, str] | None) -> None:
         if self.agentkv_session is not None and not self.agentkv_session.closed:

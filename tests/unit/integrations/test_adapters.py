@@ -51,6 +51,38 @@ def test_langchain_adapter_sends_identity(session: Session) -> None:
     assert router.requests[0].headers["x-request-id"] != router.requests[1].headers["x-request-id"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain extra missing")
+def test_langchain_adapter_sends_the_body_chatopenai_sends() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    from agentkv.integrations.langchain import AgentKVChatOpenAI
+
+    history = [
+        SystemMessage("be terse"),
+        HumanMessage([{"type": "text", "text": "sum"}, {"type": "image_url", "image_url": {"url": "u"}}]),
+        AIMessage("", tool_calls=[{"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}]),
+        ToolMessage("3 é", tool_call_id="c1"),
+    ]
+    bodies = []
+    for cls in (ChatOpenAI, AgentKVChatOpenAI):
+        router = ScriptedRouter([ScriptedReply.completion("ok"), ScriptedReply.stream(["o", "k"])])
+        llm = cls(
+            model="m",
+            base_url=BASE,
+            api_key="k",
+            http_client=router.client(),
+            max_retries=0,
+            stream_usage=True,
+        )
+        llm.invoke(history, max_tokens=5)
+        "".join(str(c.content) for c in llm.stream(history))
+        bodies.append([{k: v for k, v in b.items() if k != "prompt_cache_key"} for b in router.bodies])
+    plain, ours = bodies
+    assert ours == plain
+    assert ours[0]["messages"][3] == {"role": "tool", "tool_call_id": "c1", "content": "3 é"}
+
+
 @pytest.mark.skipif(
     importlib.util.find_spec("llama_index.llms.openai_like") is None, reason="llamaindex extra missing"
 )
