@@ -3,10 +3,13 @@ engine): what the router spends encoding and decoding bodies that carry every pr
 
     python -m bench.hop_codec [--lengths 8192,32768,65536,131072] [--rounds 9]
 
-Per turn at a context of N tokens the router decodes the render answer (N ids), encodes the prefill body (N
-ids) and encodes the decode body (the messages, ~4 characters per token; on vLLM >= 0.32 also the N ids,
-not counted here). Both sides run the same bodies: `json` (the standard library, what the router used) and
-`agentkv.server.router._codec` (msgspec). Median of ``--rounds`` per operation.
+Per turn at a context of N tokens the router decodes the client's request (an agent's messages: tool calls
+and 512-token results, `bench.client_body`), decodes the render answer (N ids), encodes the prefill body (N
+ids) and encodes the decode body (the messages; on vLLM >= 0.32 also the N ids, not counted here). Both
+sides run the same bodies: `json` (the standard library, what the router used: for the request with the
+hooks that refuse non-finite numbers, which take the parser off its fast path) and msgspec
+(`agentkv.server.router._codec`; the request through `parse_body`'s reader, which keeps the standard
+library's result). Median of ``--rounds`` per operation.
 
 Then what the router does with the N ids themselves per turn (the type and range check of the render
 answer's ids, the reuse check's digest of what decode holds, decode's packed ids, the next turn's digest),
@@ -34,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv._wire import pack_ids, rendered_request
-from agentkv.server.router import _codec
+from agentkv.server.router import _codec, _ids
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 from bench._common import (
@@ -44,6 +47,7 @@ from bench._common import (
     summarize,
     write_rows,
 )
+from bench.client_body import conversation
 
 NAME = "hop_codec"
 WORDS = "agent tool search file row column query report number answer table cache block def return".split()
@@ -58,6 +62,10 @@ def _bodies(n: int, rng: random.Random) -> tuple[bytes, dict[str, Any], dict[str
         text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(400))
         messages.append({"role": "tool", "content": text, "tool_call_id": f"call_{len(messages)}"})
     return render, prefill, {"model": "m", "messages": messages, "max_tokens": 256}
+
+
+def _stdlib_request(raw: bytes) -> Any:
+    return json.loads(raw, parse_constant=_ids._not_json, parse_float=_ids._finite)
 
 
 def _ids_per_use(answer: dict[str, Any]) -> None:
@@ -119,17 +127,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/hop_codec)")
     args = ap.parse_args(argv)
-    codecs: dict[str, tuple[Callable[[bytes], Any], Callable[[Any], bytes]]] = {
-        "json (stdlib)": (json.loads, lambda obj: json.dumps(obj).encode()),
-        "msgspec (agentkv)": (_codec.decode, _codec.encode),
+    # The client's request is read by `parse_body` (`_ids._loads`: msgspec, the standard library where
+    # msgspec refuses); the hops' JSON by `_codec`.
+    codecs: dict[str, tuple[Callable[[bytes], Any], Callable[[bytes], Any], Callable[[Any], bytes]]] = {
+        "json (stdlib)": (_stdlib_request, json.loads, lambda obj: json.dumps(obj).encode()),
+        "msgspec (agentkv)": (_ids._loads, _codec.decode, _codec.encode),
     }
     rng = random.Random(0)
     rows: list[dict[str, Any]] = []
     for n in [int(x) for x in args.lengths.split(",")]:
         render, prefill, decode = _bodies(n, rng)
         row: dict[str, Any] = {"tokens": n}
-        for label, (loads, dumps) in codecs.items():
+        # As an agent sends it: tool calls and 512-token results, so hundreds of messages.
+        agent = {"model": "m", "messages": conversation(n, 512, rng), "max_tokens": 256}
+        request = json.dumps(agent).encode()
+        for label, (read, loads, dumps) in codecs.items():
             parts = {
+                "client request (decode)": _median_ms(read, request, args.rounds),
                 "render answer (decode)": _median_ms(loads, render, args.rounds),
                 "prefill body (encode)": _median_ms(dumps, prefill, args.rounds),
                 "decode body (encode)": _median_ms(dumps, decode, args.rounds),
@@ -151,7 +165,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "the router's JSON per turn on the token path, median ms",
         [
             "context tokens",
-            *(f"{label}: {part}" for label in labels for part in ("render", "prefill", "decode", "turn")),
+            *(
+                f"{label}: {part}"
+                for label in labels
+                for part in ("request", "render", "prefill", "decode", "turn")
+            ),
         ],
         [[r["tokens"], *(v for label in labels for v in r[label].values())] for r in rows],
     )

@@ -94,6 +94,47 @@ def test_hop_codec_round_trips_whatever_a_parsed_body_holds(body: dict[str, Any]
     assert _codec.decode(json.dumps(parsed).encode()) == parsed
 
 
+ANY_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+def _stdlib_parse(raw: bytes) -> Any:
+    def refuse(constant: str) -> Any:
+        raise ValueError(constant)
+
+    def finite(text: str) -> float:
+        value = float(text)
+        if value in (float("inf"), float("-inf")):
+            raise ValueError(text)
+        return value
+
+    return json.loads(raw, parse_constant=refuse, parse_float=finite)
+
+
+@given(
+    st.dictionaries(st.text(), ANY_JSON, max_size=6),
+    st.booleans(),
+    st.sampled_from([b"", b"\xef\xbb\xbf", b" \n"]),
+)
+def test_parse_body_reads_what_the_standard_library_reads(
+    body: dict[str, Any], ascii_only: bool, lead: bytes
+) -> None:
+    # Non-finite numbers, any text (lone surrogates included, escaped where ascii_only), a byte-order mark.
+    raw = lead + json.dumps({**body, "prompt": "p"}, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    try:
+        expected = _stdlib_parse(raw)
+    except (ValueError, UnicodeDecodeError):
+        with pytest.raises(APIStatusError) as err:
+            parse_body(raw, "completions")
+        assert err.value.status_code == 400
+        return
+    parsed = parse_body(raw, "completions")
+    assert json.dumps(parsed, sort_keys=True) == json.dumps(expected, sort_keys=True)
+
+
 def test_strip_client_fields() -> None:
     body = {
         "model": "m",
