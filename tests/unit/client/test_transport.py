@@ -1,4 +1,3 @@
-import json
 from typing import Any
 
 import httpx
@@ -8,7 +7,16 @@ import respx
 from openai.types.chat import ChatCompletionMessage
 
 from agentkv import APIStatusError, ConfigError, ConnectError
-from agentkv.client import ControlClient, Deadline, Timeouts, Transport, first_model, turn_headers
+from agentkv.client import (
+    ControlClient,
+    Deadline,
+    ScriptedReply,
+    ScriptedRouter,
+    Timeouts,
+    Transport,
+    first_model,
+    turn_headers,
+)
 
 BASE = "http://router.test/v1"
 
@@ -80,23 +88,11 @@ def test_first_model() -> None:
 
 
 def _sent_body(send: Any) -> dict[str, Any]:
-    bodies: list[bytes] = []
-    completion = {
-        "id": "x",
-        "object": "chat.completion",
-        "created": 0,
-        "model": "tiny",
-        "choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}],
-    }
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        bodies.append(request.content)
-        return httpx.Response(200, json=completion)
-
-    with httpx.Client(transport=httpx.MockTransport(handle)) as client:
+    router = ScriptedRouter([ScriptedReply.completion("ok")])
+    with router.client() as client:
         send(client)
-    (body,) = bodies
-    return json.loads(body)
+    (body,) = router.bodies
+    return body
 
 
 def test_messages_sent_as_is_give_the_body_the_sdks_transform_gives() -> None:
