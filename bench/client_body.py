@@ -10,7 +10,8 @@ transport that answers at once: ``chat.completions.create`` as an application ca
 message through its TypedDict transform), and ``agentkv.client.Transport`` (``Session``'s transport, which
 hands the SDK the messages as they are, ``agentkv.client._transport.messages_as_is``). Both send the same
 body (tests/unit/client/test_transport.py). With the ``langchain`` extra installed, also LangChain's
-``ChatOpenAI`` beside agentkv's ``AgentKVChatOpenAI`` on the same messages (tests/unit/integrations).
+``ChatOpenAI`` beside agentkv's ``AgentKVChatOpenAI``, and with the ``llamaindex`` extra LlamaIndex's
+``OpenAILike`` beside ``AgentKVLLM``, on the same messages (tests/unit/integrations).
 Median ms of ``--rounds`` per turn.
 """
 
@@ -72,6 +73,29 @@ def _langchain_sides(http: httpx.Client, messages: list[dict[str, Any]]) -> dict
     }
 
 
+def _llamaindex_sides(http: httpx.Client, messages: list[dict[str, Any]]) -> dict[str, Callable[[], object]]:
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    from agentkv.integrations.llamaindex import AgentKVLLM
+
+    history = [
+        ChatMessage(
+            role=m["role"],
+            content=m["content"],
+            additional_kwargs={k: m[k] for k in ("tool_calls", "tool_call_id") if k in m},
+        )
+        for m in messages
+    ]
+    options: dict[str, Any] = {"model": "m", "api_base": "http://router.test/v1", "api_key": "k"}
+    plain = OpenAILike(**options, is_chat_model=True, http_client=http, max_retries=0)
+    ours = AgentKVLLM(**options, is_chat_model=True, http_client=http, max_retries=0)
+    return {
+        "LlamaIndex OpenAILike": lambda: plain.chat(history, max_tokens=8),
+        "AgentKVLLM": lambda: ours.chat(history, max_tokens=8),
+    }
+
+
 def _median_ms(fn: Callable[[], object], rounds: int) -> float:
     times = []
     for _ in range(rounds):
@@ -103,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         if importlib.util.find_spec("langchain_openai") is not None:
             sides.update(_langchain_sides(http, messages))
+        if importlib.util.find_spec("llama_index.llms.openai_like") is not None:
+            sides.update(_llamaindex_sides(http, messages))
         row: dict[str, Any] = {"tokens": n, "messages": len(messages)}
         for label, send in sides.items():
             send()

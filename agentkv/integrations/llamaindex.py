@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field, PrivateAttr
 
 from agentkv._constants import DEFAULT_SESSION_HEADER
-from agentkv.client import new_request_id, turn_headers
+from agentkv.client import messages_as_is, new_request_id, turn_headers
 from agentkv.integrations._require import require
 from agentkv.integrations._stats import TurnLog, add_header_hook, capture_headers
 from agentkv.session import Session, TurnStats, new_conversation_id
@@ -63,6 +63,12 @@ class AgentKVLLM(OpenAILike):  # type: ignore[misc]
         kwargs: dict[str, Any] = super()._get_credential_kwargs(is_async=is_async)
         kwargs["http_client"] = add_header_hook(kwargs.get("http_client"), asynchronous=is_async)
         return kwargs
+
+    def _get_client(self) -> Any:
+        return _send_messages_as_is(super()._get_client())
+
+    def _get_aclient(self) -> Any:
+        return _send_messages_as_is(super()._get_aclient())
 
     def _with_identity(
         self, kwargs: dict[str, Any], request_id: str, *, stream: bool = False
@@ -174,6 +180,25 @@ class AgentKVLLM(OpenAILike):  # type: ignore[misc]
             self._finish(rid, started, headers, last, streamed=True, ttft_s=ttft_s)
 
         return relay()
+
+
+def _send_messages_as_is(client: Any) -> Any:
+    """``client``, the openai client LlamaIndex made for this LLM, with its chat completions sending the
+    messages past the SDK's per-message transform, as ``Session`` does (``agentkv.client.messages_as_is``).
+    LlamaIndex hands the messages to ``create`` itself, so only this client's ``create`` is wrapped."""
+    completions = client.chat.completions
+    if getattr(completions, "_agentkv_messages_as_is", False):
+        return client
+    create = completions.create
+
+    def send(*args: Any, **kwargs: Any) -> Any:  # sync or async: returns what ``create`` returns
+        if "messages" in kwargs:
+            kwargs.update(messages_as_is(kwargs["messages"], kwargs.get("extra_body")))
+        return create(*args, **kwargs)
+
+    completions.create = send
+    completions._agentkv_messages_as_is = True
+    return client
 
 
 def _first_token(ttft_s: float | None, chunk: Any, elapsed: float) -> float | None:

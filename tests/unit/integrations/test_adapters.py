@@ -109,6 +109,49 @@ async def test_llamaindex_adapter_sends_identity(session: Session) -> None:
         assert body["prompt_cache_key"] == "conv-lc"
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_index.llms.openai_like") is None, reason="llamaindex extra missing"
+)
+async def test_llamaindex_adapter_sends_the_body_openailike_sends() -> None:
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    from agentkv.integrations.llamaindex import AgentKVLLM
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}
+    history = [
+        ChatMessage(role="system", content="be terse"),
+        ChatMessage(role="user", content="sum"),
+        ChatMessage(role="assistant", content=None, additional_kwargs={"tool_calls": [call]}),
+        ChatMessage(role="tool", content="3 é", additional_kwargs={"tool_call_id": "c1"}),
+    ]
+    bodies = []
+    for cls in (OpenAILike, AgentKVLLM):
+        replies = [
+            ScriptedReply.completion("ok"),
+            ScriptedReply.stream(["o", "k"]),
+            ScriptedReply.completion("a"),
+        ]
+        router = ScriptedRouter(replies)
+        llm = cls(
+            model="m",
+            api_base=BASE,
+            api_key="k",
+            is_chat_model=True,
+            http_client=router.client(),
+            async_http_client=router.async_client(),
+            max_retries=0,
+        )
+        llm.chat(history)
+        "".join(c.delta or "" for c in llm.stream_chat(history))
+        await llm.achat(history)
+        ignored = ("prompt_cache_key", "stream_options")  # the adapter's own additions
+        bodies.append([{k: v for k, v in b.items() if k not in ignored} for b in router.bodies])
+    plain, ours = bodies
+    assert ours == plain
+    assert ours[0]["messages"][3]["content"] == "3 é"
+
+
 def test_missing_extra_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib
 
