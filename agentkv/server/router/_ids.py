@@ -113,9 +113,10 @@ _decoder = msgspec.json.Decoder(float_hook=_finite)
 
 
 def _loads(raw: bytes) -> Any:
-    """The body as the standard library reads it, through msgspec where msgspec reads it (a 131k-token
-    conversation: ~0.4 ms instead of ~5 on the turn's critical path). What msgspec refuses (a byte-order
-    mark, a lone surrogate escape, a non-finite number, malformed JSON) is read, or refused, as before."""
+    """The body as the standard library reads it, through msgspec where msgspec reads it (an agent's
+    131k-token conversation: 0.34 instead of 0.77 ms, `bench.hop_codec`; the hooked standard parser also
+    pauses for tens of ms now and then). What msgspec refuses (a byte-order mark, a lone surrogate escape, a
+    non-finite number, malformed JSON) is read, or refused, as before."""
     try:
         return _decoder.decode(raw)
     except msgspec.DecodeError:
