@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import PROMPT_IDS_KEY, pack_ids, prefill_body, unpack_ids, with_prompt_ids
-from agentkv.server.router import _codec
+from agentkv.server.router import _codec, _ids
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
 from agentkv.server.router._params import strip_client_fields, strip_kv_json
 from agentkv.server.router._prefix import Prefix
@@ -102,16 +102,8 @@ ANY_JSON = st.recursive(
 
 
 def _stdlib_parse(raw: bytes) -> Any:
-    def refuse(constant: str) -> Any:
-        raise ValueError(constant)
-
-    def finite(text: str) -> float:
-        value = float(text)
-        if value in (float("inf"), float("-inf")):
-            raise ValueError(text)
-        return value
-
-    return json.loads(raw, parse_constant=refuse, parse_float=finite)
+    """The router's reader before msgspec: the standard library, refusing non-finite numbers."""
+    return json.loads(raw, parse_constant=_ids._not_json, parse_float=_ids._finite)
 
 
 @given(
