@@ -216,7 +216,11 @@ class MemoryStore:
                 self._locks[key] = (lock, users - 1)
 
     async def count(self) -> int:
-        self._sweep(self._clock())
+        # Read on every `/metrics` scrape: sweeping each time would make a scrape O(n), so the gauge may
+        # still include records that expired since the last sweep (at most `_SWEEP_S` ago).
+        now = self._clock()
+        if now - self._swept >= _SWEEP_S:
+            self._sweep(now)
         return len(self._data)
 
     async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:

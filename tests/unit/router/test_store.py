@@ -108,6 +108,27 @@ async def test_memory_store_records_expire_as_in_redis() -> None:
     assert len(store._data) == 0
 
 
+async def test_memory_store_count_sweeps_at_most_every_interval() -> None:
+    """`/metrics` reads the count on every scrape; it sweeps only when a sweep is due, so a scrape costs
+    O(1) between sweeps and the gauge lags expiry by at most the sweep interval."""
+    clock = Clock()
+    store = MemoryStore(ttl_margin_s=0, clock=clock)
+    assert await store.compare_and_set(
+        "t/a", dataclasses.replace(RECORD, expires_at=clock.now + 5), expected=0
+    )
+    assert await store.compare_and_set(
+        "t/b", dataclasses.replace(RECORD, expires_at=clock.now + 50), expected=0
+    )
+    assert await store.compare_and_set(
+        "t/c", dataclasses.replace(RECORD, expires_at=clock.now + 5), expected=0
+    )
+    clock.now += 10
+    assert await store.get("t/a") is None  # reads see the expiry at once
+    assert await store.count() == 2  # "t/c" expired too, but no sweep is due yet
+    clock.now += 25
+    assert await store.count() == 1  # 35 s after the last sweep: this count swept "t/c"
+
+
 async def test_memory_store_sweeps_while_writing() -> None:
     clock = Clock()
     store = MemoryStore(ttl_margin_s=0, clock=clock)
