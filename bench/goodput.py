@@ -110,9 +110,26 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         return legs[leg]["knee"]["goodput_turns_s"] if leg in legs else None
 
     def ratio(a: float | None, b: float | None) -> float | None:
+        # None where b is 0: JSON has no infinity, and `_met` says whether a leg without a knee was beaten.
+        return None if a is None or b is None or b <= 0 else round(a / b, 3)
+
+    def met(a: float | None, b: float | None, need: float) -> bool | None:
         if a is None or b is None:
             return None
-        return round(a / b, 3) if b > 0 else (float("inf") if a > 0 else None)
+        return a > 0 if b <= 0 else a / b >= need
+
+    def at_equal_loads(mine: str, other: str) -> list[dict[str, Any]]:
+        # A leg that meets the SLO at no load tried has no knee, so its knee ratio says little; the same
+        # offered load (conversations per step) compares the two legs turn for turn.
+        theirs = {s.get("conversations"): s["summary"] for s in legs[other]["steps"] if "summary" in s}
+        rows = []
+        for step in legs[mine]["steps"]:
+            other_summary = theirs.get(step.get("conversations"))
+            if "summary" not in step or other_summary is None or step.get("conversations") is None:
+                continue
+            a, b = step["summary"]["goodput_turns_s"], other_summary["goodput_turns_s"]
+            rows.append({"conversations": step["conversations"], mine: a, other: b, "ratio": ratio(a, b)})
+        return rows
 
     reached = {leg: bool(r["knee"].get("reached")) for leg, r in legs.items()}
     errors = sum(
@@ -129,9 +146,10 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ("exact_vs_off", "off", 2.0),
     ):
         mine = "exact" if name.startswith("exact") else "on"
-        r = ratio(goodput(mine), goodput(other))
-        out[f"{name}_goodput"] = r
-        out[f"{name}_met"] = None if r is None else r >= need
+        out[f"{name}_goodput"] = ratio(goodput(mine), goodput(other))
+        out[f"{name}_met"] = met(goodput(mine), goodput(other), need)
+        if mine in legs and other in legs:
+            out[f"{name}_at_equal_loads"] = at_equal_loads(mine, other)
     for leg in ("on", "exact"):
         if leg in legs:
             hit = legs[leg]["knee"]["hit_rate"]

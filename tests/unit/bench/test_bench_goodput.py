@@ -238,6 +238,31 @@ def test_targets_compare_knees_and_count_errors() -> None:
     assert "exact_vs_off_goodput" in t and t["exact_vs_off_goodput"] is None
 
 
+def test_targets_compare_equal_loads_where_a_leg_has_no_knee() -> None:
+    """OFF meeting the SLO at no load tried has knee goodput 0: the knee ratio is left out (JSON has no
+    infinity) while ON's knee above 0 still meets the target; the steps both legs ran at the same offered
+    load are compared turn for turn."""
+
+    def leg(knee: float, steps: dict[int, float]) -> dict[str, Any]:
+        return {
+            "knee": {"goodput_turns_s": knee, "hit_rate": 0.95},
+            "steps": [
+                {"conversations": n, "summary": {"errors": {}, "goodput_turns_s": g}}
+                for n, g in steps.items()
+            ]
+            + [{"conversations": 99}],  # a step cut before it ran has no summary
+        }
+
+    t = targets({"off": leg(0.0, {6: 0.7, 12: 0.5}), "on": leg(1.5, {12: 1.5, 18: 2.0})})
+    assert t["on_vs_off_goodput"] is None and t["on_vs_off_met"] is True
+    assert t["on_vs_off_at_equal_loads"] == [{"conversations": 12, "on": 1.5, "off": 0.5, "ratio": 3.0}]
+    assert "on_vs_agg_at_equal_loads" not in t
+    json.dumps(t, allow_nan=False)
+    lost = targets({"off": leg(0.0, {6: 0.7}), "on": leg(0.0, {6: 0.0})})
+    assert lost["on_vs_off_met"] is False
+    assert lost["on_vs_off_at_equal_loads"] == [{"conversations": 6, "on": 0.0, "off": 0.7, "ratio": 0.0}]
+
+
 def _short_plans(**kw: Any) -> list[Any]:
     """Sub-second plans for the driver tests: tiny contexts, gaps of tens of milliseconds."""
     return generate_plans(contexts=[100], suffix=10, gap_sigma=0.1, max_gap_s=0.1, **kw)
