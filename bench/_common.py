@@ -137,6 +137,21 @@ def versions() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "git_commit": _git_commit(),
         "packages": packages,
+        "env": engine_environment(),
+    }
+
+
+# Credentials never go into a committed result, whatever their prefix (a URL may carry a password).
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "AUTH", "URL")
+
+
+def engine_environment() -> dict[str, str]:
+    """The ``VLLM_*`` and ``AGENTKV_*`` variables of this process, which every engine the bench starts
+    inherits (``VLLM_BATCH_INVARIANT`` changes a run's numerics and is in no command line)."""
+    return {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name.startswith(("VLLM_", "AGENTKV_")) and not any(word in name for word in _SECRET_WORDS)
     }
 
 
@@ -163,7 +178,7 @@ def write_results(
         "versions": versions(),
         "data": data,
     }
-    # NaN is not JSON; null keeps "not measured" distinct from any number.
+    # NaN and infinities are not JSON; null keeps "not measured" distinct from any number.
     path.write_text(json.dumps(_nan_to_none(document), indent=2, sort_keys=False) + "\n")
     return path
 
@@ -176,7 +191,7 @@ def write_rows(name: str, args: Any, rows: list[dict[str, Any]], out_dir: Path) 
 
 
 def _nan_to_none(value: Any) -> Any:
-    if isinstance(value, float) and math.isnan(value):
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
         return {key: _nan_to_none(item) for key, item in value.items()}

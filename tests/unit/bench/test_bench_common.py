@@ -50,13 +50,26 @@ def test_summarize_scales_every_statistic_but_the_count() -> None:
     assert summary["max"] == pytest.approx(3.0)
 
 
-def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path) -> None:
+def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setenv("VLLM_API_KEY", "sk-not-for-results")
+    monkeypatch.setenv("AGENTKV_UPSTREAM_TOKEN", "not-for-results")
+    monkeypatch.setenv("AGENTKV_REDIS_URL", "redis://:not-for-results@r:6379")
+    monkeypatch.setenv("VLLMX_OTHER", "1")
     path = write_results(
-        "demo", {"p50": math.nan, "rows": [1, 2]}, "python -m bench.demo --x 1", out_dir=tmp_path
+        "demo",
+        {"p50": math.nan, "ratio": math.inf, "rows": [1, -math.inf]},
+        "python -m bench.demo --x 1",
+        out_dir=tmp_path,
     )
-    document = json.loads(path.read_text())
+    text = path.read_text()
+    document = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
     assert path == tmp_path / "demo.json"
     assert document["command"] == "python -m bench.demo --x 1"
-    assert document["data"] == {"p50": None, "rows": [1, 2]}
+    assert document["data"] == {"p50": None, "ratio": None, "rows": [1, None]}
     assert document["versions"]["python"]
     assert "httpx" in document["versions"]["packages"]
+    # What the engines inherited and no command line shows; never a credential.
+    assert document["versions"]["env"]["VLLM_BATCH_INVARIANT"] == "1"
+    assert "not-for-results" not in text
+    assert "VLLMX_OTHER" not in document["versions"]["env"]
