@@ -141,8 +141,9 @@ def versions() -> dict[str, Any]:
     }
 
 
-# Credentials never go into a committed result, whatever their prefix (a URL may carry a password).
-_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "AUTH", "URL")
+# Credentials never go into a committed result, whatever their prefix (a URL may carry a password). Whole
+# words of the name, so that AGENTKV_TOKENIZER_CACHE is kept and AGENTKV_SERVICE_TOKEN is not.
+_SECRET_WORDS = frozenset({"KEY", "KEYS", "TOKEN", "SECRET", "PASSWORD", "AUTH", "URL"})
 
 
 def engine_environment() -> dict[str, str]:
@@ -151,7 +152,7 @@ def engine_environment() -> dict[str, str]:
     return {
         name: value
         for name, value in sorted(os.environ.items())
-        if name.startswith(("VLLM_", "AGENTKV_")) and not any(word in name for word in _SECRET_WORDS)
+        if name.startswith(("VLLM_", "AGENTKV_")) and _SECRET_WORDS.isdisjoint(name.split("_"))
     }
 
 

@@ -55,6 +55,8 @@ def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path, monk
     monkeypatch.setenv("VLLM_API_KEY", "sk-not-for-results")
     monkeypatch.setenv("AGENTKV_UPSTREAM_TOKEN", "not-for-results")
     monkeypatch.setenv("AGENTKV_REDIS_URL", "redis://:not-for-results@r:6379")
+    monkeypatch.setenv("AGENTKV_API_KEYS", "not-for-results")
+    monkeypatch.setenv("AGENTKV_TOKENIZER_CACHE", "on")
     monkeypatch.setenv("VLLMX_OTHER", "1")
     path = write_results(
         "demo",
@@ -73,3 +75,4 @@ def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path, monk
     assert document["versions"]["env"]["VLLM_BATCH_INVARIANT"] == "1"
     assert "not-for-results" not in text
     assert "VLLMX_OTHER" not in document["versions"]["env"]
+    assert document["versions"]["env"]["AGENTKV_TOKENIZER_CACHE"] == "on"
