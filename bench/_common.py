@@ -180,7 +180,7 @@ def write_results(
         "data": data,
     }
     # NaN and infinities are not JSON; null keeps "not measured" distinct from any number.
-    path.write_text(json.dumps(_nan_to_none(document), indent=2, sort_keys=False) + "\n")
+    path.write_text(json.dumps(_non_finite_to_none(document), indent=2, sort_keys=False) + "\n")
     return path
 
 
@@ -191,13 +191,13 @@ def write_rows(name: str, args: Any, rows: list[dict[str, Any]], out_dir: Path) 
     return data
 
 
-def _nan_to_none(value: Any) -> Any:
+def _non_finite_to_none(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, Mapping):
-        return {key: _nan_to_none(item) for key, item in value.items()}
+        return {key: _non_finite_to_none(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [_nan_to_none(item) for item in value]
+        return [_non_finite_to_none(item) for item in value]
     return value
 
 

@@ -121,15 +121,19 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def at_equal_loads(mine: str, other: str) -> list[dict[str, Any]]:
         # A leg that meets the SLO at no load tried has no knee, so its knee ratio says little; the same
         # offered load (conversations per step) compares the two legs turn for turn.
-        theirs = {s.get("conversations"): s["summary"] for s in legs[other]["steps"] if "summary" in s}
-        rows = []
-        for step in legs[mine]["steps"]:
-            other_summary = theirs.get(step.get("conversations"))
-            if "summary" not in step or other_summary is None or step.get("conversations") is None:
-                continue
-            a, b = step["summary"]["goodput_turns_s"], other_summary["goodput_turns_s"]
-            rows.append({"conversations": step["conversations"], mine: a, other: b, "ratio": ratio(a, b)})
-        return rows
+        def by_load(leg: str) -> dict[int, float]:
+            return {
+                step["conversations"]: step["summary"]["goodput_turns_s"]
+                for step in legs[leg]["steps"]
+                if "summary" in step and "conversations" in step
+            }
+
+        ours, theirs = by_load(mine), by_load(other)
+        return [
+            {"conversations": n, mine: a, other: theirs[n], "ratio": ratio(a, theirs[n])}
+            for n, a in ours.items()
+            if n in theirs
+        ]
 
     reached = {leg: bool(r["knee"].get("reached")) for leg, r in legs.items()}
     errors = sum(

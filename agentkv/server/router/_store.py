@@ -160,7 +160,9 @@ class MemoryStore:
             return None
         return entry[0]
 
-    def _sweep(self, now: float) -> None:
+    def _sweep_if_due(self, now: float) -> None:
+        if now - self._swept < _SWEEP_S:
+            return
         self._swept = now
         for key in [key for key, (_, deadline) in self._data.items() if deadline <= now]:
             del self._data[key]
@@ -179,8 +181,7 @@ class MemoryStore:
         ttl = record_ttl_s(record, now=now, margin_s=self._margin, idle_s=self._idle)
         self._data[key] = (dataclasses.replace(record, version=expected + 1), now + ttl)
         self._data.move_to_end(key)
-        if now - self._swept >= _SWEEP_S:
-            self._sweep(now)
+        self._sweep_if_due(now)
         while len(self._data) > self._max:
             old_key, (old, _) = self._data.popitem(last=False)
             if self.on_evict is not None:
@@ -218,9 +219,7 @@ class MemoryStore:
     async def count(self) -> int:
         # Read on every `/metrics` scrape: sweeping each time would make a scrape O(n), so the gauge may
         # still include records that expired since the last sweep (at most `_SWEEP_S` ago).
-        now = self._clock()
-        if now - self._swept >= _SWEEP_S:
-            self._sweep(now)
+        self._sweep_if_due(self._clock())
         return len(self._data)
 
     async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:
