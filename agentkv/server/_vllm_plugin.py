@@ -221,31 +221,47 @@ def prompt_tail(ids: Sequence[int], keep: int, added: Container[int]) -> Sequenc
     return tail if any(i not in added for i in tail) else None
 
 
-def _prime_with_tail(original: Any, *, keep: int, decode_stream: Any) -> Any:
+def _prime_with_tail(original: Any, *, keep: int) -> Any:
     @functools.wraps(original)
     def __init__(self: Any, tokenizer: Any, request: Any) -> None:
-        original(self, tokenizer, request)
         ids = request.prompt_token_ids
-        if ids is None or len(ids) <= keep:
+        backend = getattr(tokenizer, "_tokenizer", None)  # the `tokenizers.Tokenizer` vLLM steps with
+        if ids is None or len(ids) <= keep or backend is None:
+            original(self, tokenizer, request)
             return
-        # The `tokenizers.Tokenizer` vLLM's detokenizer steps with; vLLM itself keeps its added tokens on it
-        # as `added_token_ids` (id -> content), built on first use.
-        backend = self.tokenizer
-        added = getattr(backend, "added_token_ids", None)
-        if added is None:
-            backend.added_token_ids = added = {
-                tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()
-            }
-        tail = prompt_tail(ids, keep, added)
-        # Building a DecodeStream decodes nothing (that happens on its first step), so replacing vLLM's costs
-        # only the copy of the ids.
-        if tail is not None:
-            self.stream = decode_stream(ids=list(tail), skip_special_tokens=self.skip_special_tokens)
-            if (counters := _counters()) is not None:
-                counters.tail_primes.inc()
+        tail = prompt_tail(ids, keep, _added_ids(backend))
+        # vLLM hands the whole prompt to `DecodeStream`, which copies every id into Rust (~2 ms per 100k
+        # ids) though it decodes nothing before the first step; vLLM's constructor then reads nothing else
+        # of the prompt, so it gets a copy of the request that holds only the tail.
+        shortened = None if tail is None else _with_prompt_ids(request, list(tail))
+        original(self, tokenizer, request if shortened is None else shortened)
+        if shortened is not None and (counters := _counters()) is not None:
+            counters.tail_primes.inc()
 
     __init__.agentkv_wrapped = True  # type: ignore[attr-defined]
     return __init__
+
+
+def _added_ids(backend: Any) -> Container[int]:
+    """The added tokens' ids, from the map vLLM keeps on its tokenizer (`added_token_ids`, id -> content),
+    built as vLLM builds it where no request has needed it yet."""
+    added = getattr(backend, "added_token_ids", None)
+    if added is None:
+        backend.added_token_ids = added = {
+            tid: tok.content for tid, tok in backend.get_added_tokens_decoder().items()
+        }
+    return added  # type: ignore[no-any-return]
+
+
+def _with_prompt_ids(request: Any, ids: list[int]) -> Any:
+    """A shallow copy of vLLM's `EngineCoreRequest` (a msgspec struct in 0.26-0.34) with other prompt ids,
+    or None where it is not one (vLLM then primes with the whole prompt)."""
+    try:
+        import msgspec
+
+        return msgspec.structs.replace(request, prompt_token_ids=ids)
+    except (ImportError, TypeError, AttributeError):
+        return None
 
 
 def _register_prime_tail(keep: int) -> None:
@@ -255,15 +271,9 @@ def _register_prime_tail(keep: int) -> None:
         logger.warning("%s: this vLLM has no vllm.v1.engine.detokenizer; priming stays as it is", ENV_PRIME)
         return
     cls = getattr(detokenizer, "FastIncrementalDetokenizer", None)
-    tokenizers = getattr(detokenizer, "tokenizers", None)
-    if cls is None or tokenizers is None or getattr(cls.__init__, "agentkv_wrapped", False):
+    if cls is None or getattr(cls.__init__, "agentkv_wrapped", False):
         return
-
-    def decode_stream(**kwargs: Any) -> Any:
-        # Looked up on vLLM's module at each request, as vLLM does (a backend may replace the class).
-        return tokenizers.decoders.DecodeStream(**kwargs)
-
-    cls.__init__ = _prime_with_tail(cls.__init__, keep=keep, decode_stream=decode_stream)
+    cls.__init__ = _prime_with_tail(cls.__init__, keep=keep)
     logger.debug("detokenizers primed with the prompt's last %d ids", keep)
 
 

@@ -389,3 +389,42 @@ def test_a_detokenizer_primed_with_the_prompt_tail_streams_the_same_text(
             whole = DecodeStream(ids=prompt_ids, skip_special_tokens=skip)
             tail = DecodeStream(ids=prompt_ids if primed is None else list(primed), skip_special_tokens=skip)
             assert [whole.step(tok, i) for i in output] == [tail.step(tok, i) for i in output]
+
+
+def test_the_detokenizer_is_built_from_a_request_holding_only_the_prompt_tail() -> None:
+    """vLLM's constructor copies every prompt id it is given into Rust; the plugin hands it a copy of the
+    request with the tail only, leaves the request itself alone, and primes with the whole prompt where the
+    request is not a msgspec struct it can copy."""
+    import msgspec
+    from tokenizers.decoders import DecodeStream
+
+    from agentkv.server._vllm_plugin import _prime_with_tail
+
+    class Request(msgspec.Struct):
+        request_id: str
+        prompt_token_ids: list[int] | None
+
+    class Wrapper:  # vLLM's tokenizer wrapper: the `tokenizers.Tokenizer` is its `_tokenizer`
+        _tokenizer = _tokenizer("bpe")
+
+    class Detokenizer:  # the part of vLLM's FastIncrementalDetokenizer.__init__ the plugin relies on
+        def __init__(self, tokenizer: Any, request: Any) -> None:
+            self.primed_with = request.prompt_token_ids
+            self.stream = DecodeStream(ids=request.prompt_token_ids, skip_special_tokens=True)
+
+    init = _prime_with_tail(Detokenizer.__init__, keep=8)
+    prompt = Wrapper._tokenizer.encode(CORPUS[1] * 3, add_special_tokens=False).ids
+    request = Request(request_id="r", prompt_token_ids=list(prompt))
+
+    built = Detokenizer.__new__(Detokenizer)
+    init(built, Wrapper(), request)
+    assert built.primed_with == prompt[-8:]
+    assert request.prompt_token_ids == prompt  # the engine's request keeps the whole prompt
+
+    class Plain:  # not a struct: vLLM's own priming
+        request_id = "p"
+        prompt_token_ids = list(prompt)
+
+    whole = Detokenizer.__new__(Detokenizer)
+    init(whole, Wrapper(), Plain())
+    assert whole.primed_with == prompt
