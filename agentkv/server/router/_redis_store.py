@@ -8,11 +8,11 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from . import _codec
-from ._store import ConversationRecord, StoreUnavailableError, record_ttl_s
+from ._store import SWEEP_S, ConversationRecord, StoreUnavailableError, record_ttl_s
 
 __all__ = ["RedisStore"]
 
@@ -36,7 +36,9 @@ class RedisStore:
 
     `<prefix>prefilling:<prefill>` is a sorted set of the P hops in flight on that prefill, scored by their
     deadline: a replica that dies mid-hop leaves an entry that stops counting when its deadline passes,
-    so no count leaks and no replica has to heartbeat."""
+    so no count leaks and no replica has to heartbeat.
+
+    `clock` is the router's epoch clock: records' TTLs, hops' deadlines and how old a count may be."""
 
     def __init__(
         self,
@@ -47,6 +49,7 @@ class RedisStore:
         idle_ttl_s: float = 3600.0,
         lock_ttl_s: float = 600.0,
         client: Any = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         import redis.asyncio as redis_asyncio
         from redis.asyncio.retry import Retry
@@ -69,6 +72,8 @@ class RedisStore:
         # A crashed replica's lock must not block a conversation forever; turns are shorter than this.
         self._lock_ttl_ms = int(lock_ttl_s * 1000)
         self._cas = self._redis.register_script(_CAS)
+        self._clock = clock
+        self._counted: tuple[float, int] | None = None  # when, how many
         self._unlock = self._redis.register_script(_UNLOCK)
 
     def _key(self, key: str) -> str:
@@ -83,7 +88,7 @@ class RedisStore:
 
     async def compare_and_set(self, key: str, record: ConversationRecord, *, expected: int) -> bool:
         new = dataclasses.replace(record, version=expected + 1)
-        ttl = record_ttl_s(new, now=time.time(), margin_s=self._margin, idle_s=self._idle)
+        ttl = record_ttl_s(new, now=self._clock(), margin_s=self._margin, idle_s=self._idle)
         with _unavailable():
             done = await self._cas(
                 keys=[self._key(key)],
@@ -125,17 +130,24 @@ class RedisStore:
                     await self._unlock(keys=[name], args=[token])
 
     async def count(self) -> int:
+        """The conversations under this prefix, counted at most once per `SWEEP_S`: counting is a SCAN of
+        Redis's whole keyspace (a round trip per 1,000 keys), and `/metrics` asks on every scrape, so the
+        gauge lags by at most that interval, as the memory store's does."""
+        now = self._clock()
+        if self._counted is not None and now - self._counted[0] < SWEEP_S:
+            return self._counted[1]
         n = 0
         with _unavailable():
             async for _ in self._redis.scan_iter(match=f"{self._prefix}conv:*", count=1000):
                 n += 1
+        self._counted = (now, n)
         return n
 
     def _hops(self, prefill: str) -> str:
         return f"{self._prefix}prefilling:{prefill}"
 
     async def prefill_started(self, prefill: str, hop: str, *, until: float) -> None:
-        now = time.time()
+        now = self._clock()
         key = self._hops(prefill)
         with _unavailable():
             async with self._redis.pipeline(transaction=False) as pipe:
@@ -152,7 +164,7 @@ class RedisStore:
     async def prefilling(self, prefills: Sequence[str]) -> dict[str, int] | None:
         if not prefills:
             return {}
-        now = time.time()
+        now = self._clock()
         with _unavailable():
             async with self._redis.pipeline(transaction=False) as pipe:
                 for prefill in prefills:

@@ -18,6 +18,7 @@ from ._prefix import Prefix
 from ._tokens import TokenPrefix
 
 __all__ = [
+    "SWEEP_S",
     "ConversationRecord",
     "ConversationStore",
     "EvictHook",
@@ -122,12 +123,13 @@ class ConversationStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-# How often a memory store walks all its records for expired ones (O(n): ~10 ms per 100k records).
-_SWEEP_S = 30.0
+# How often a store walks all its records (O(n)): a memory store for expired ones (~10 ms per 100k records),
+# a Redis store to count them for the gauge.
+SWEEP_S = 30.0
 
 
 class MemoryStore:
-    """LRU-bounded dict; O(1) per operation but a sweep every `_SWEEP_S`. `on_evict` hears about
+    """LRU-bounded dict; O(1) per operation but a sweep every `SWEEP_S`. `on_evict` hears about
     conversations pushed out by the bound (the router releases their leases).
 
     Records expire as in Redis (`record_ttl_s`): a record of a 127k-token conversation holds decode's block
@@ -161,7 +163,7 @@ class MemoryStore:
         return entry[0]
 
     def _sweep_if_due(self, now: float) -> None:
-        if now - self._swept < _SWEEP_S:
+        if now - self._swept < SWEEP_S:
             return
         self._swept = now
         for key in [key for key, (_, deadline) in self._data.items() if deadline <= now]:
@@ -218,7 +220,7 @@ class MemoryStore:
 
     async def count(self) -> int:
         # Read on every `/metrics` scrape: sweeping each time would make a scrape O(n), so the gauge may
-        # still include records that expired since the last sweep (at most `_SWEEP_S` ago).
+        # still include records that expired since the last sweep (at most `SWEEP_S` ago).
         self._sweep_if_due(self._clock())
         return len(self._data)
 

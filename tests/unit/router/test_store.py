@@ -201,3 +201,20 @@ async def test_router_with_redis_store(redis_url: str, engines, make_client) -> 
         nxt = [*msgs, first["choices"][0]["message"], {"role": "user", "content": "more"}]
         r = await client.post("/v1/chat/completions", json={"messages": nxt}, headers={"x-session-id": "c"})
     assert r.headers["x-agentkv-reuse"] == "hit"
+
+
+async def test_redis_store_counts_at_most_once_per_sweep_interval(redis_url: str) -> None:
+    """`/metrics` reads the count on every scrape and counting SCANs Redis's whole keyspace: a count is
+    reused until the sweep interval has passed (the gauge lags by at most that, as the memory store's)."""
+    clock = Clock()
+    store = RedisStore(url=redis_url, prefix=f"test-{uuid.uuid4().hex}:", clock=clock)
+    try:
+        await store.compare_and_set("t/a", RECORD, expected=0)
+        assert await store.count() == 1
+        await store.compare_and_set("t/b", RECORD, expected=0)
+        clock.now += 10
+        assert await store.count() == 1  # within the interval: the last count
+        clock.now += 25
+        assert await store.count() == 2
+    finally:
+        await store.aclose()
