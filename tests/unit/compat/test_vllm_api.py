@@ -99,6 +99,31 @@ def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(sour
     assert "renderer.render_chat_async(" in ast.unparse(pre), version
 
 
+def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_stream(
+    source: tuple[str, Path],
+) -> None:
+    """`agentkv/server/_vllm_plugin.py` hands `FastIncrementalDetokenizer.__init__` a copy of the request
+    holding only the prompt's tail (`msgspec.structs.replace`): sound only while that constructor reads the
+    prompt for nothing but its `DecodeStream`, steps with `tokenizer._tokenizer`, and the request is a
+    msgspec struct."""
+    version, root = source
+    tree = Tree(root)
+    detokenizer = tree.cls("vllm.v1.engine.detokenizer", "FastIncrementalDetokenizer")
+    assert detokenizer is not None, version
+    init = detokenizer.method("__init__")
+    assert init is not None, version
+    body = ast.unparse(init)
+    assert body.count("prompt_token_ids") == 1, version
+    assert re.search(r"DecodeStream\(\s*ids=request\.prompt_token_ids", body), version
+    assert "tokenizer._tokenizer" in body, version
+    base = tree.cls("vllm.v1.engine.detokenizer", "BaseIncrementalDetokenizer")
+    base_init = base.method("__init__") if base is not None else None
+    assert base_init is not None and "prompt_token_ids" not in ast.unparse(base_init), version
+    request = tree.cls("vllm.v1.engine", "EngineCoreRequest")
+    assert request is not None, version
+    assert "msgspec.Struct" in [ast.unparse(b) for b in request.node.bases], version
+
+
 def test_the_check_fails_on_a_real_break(source: tuple[str, Path]) -> None:
     """Mutations of vLLM's source (renamed method, changed signature, dropped attribute, moved class): each
     must be reported, so a pass above means something."""
