@@ -20,7 +20,9 @@ Reported per side: the share of reuse turns whose greedy token ids equal the rec
 difference of the first token's logprob. A P/D recompute is not a single server's: decode computes the
 prompt's last token alone over prefill's KV. So the single server also answers every P/D side's reuse turns
 with a fresh salt (one prefill of the whole prompt), and each P/D side reports how often its reuse answer and
-its recompute each equal that common reference. Writes ``agreement.json`` and ``agreement.png``.
+its recompute each equal that common reference, with Fisher's exact p of each share against the single
+server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). Writes ``agreement.json`` and
+``agreement.png``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import argparse
 import random
 import uuid
 from collections.abc import Callable
+from math import comb
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +273,36 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def fisher_p(a: int, n1: int, b: int, n2: int) -> float:
+    """Two-sided p of Fisher's exact test: `a` of `n1` against `b` of `n2` (the probability, under equal
+    rates, of a table at most as likely as this one). Unpaired: the sides' histories share each seed's words
+    but not their random first line or their own earlier answers, so turn-by-turn pairing is loose."""
+    k, n = a + b, n1 + n2
+
+    def table(x: int) -> float:
+        return comb(n1, x) * comb(n2, k - x) / comb(n, k)
+
+    observed = table(a)
+    # Tables as likely as the observed one count too; the tolerance keeps float rounding from dropping them.
+    tail = (table(x) for x in range(max(0, k - n2), min(n1, k) + 1))
+    return min(1.0, sum(q for q in tail if q <= observed * (1 + 1e-7)))
+
+
+def _against_single(summary: dict[str, dict[str, Any]]) -> None:
+    """Per P/D side, Fisher's p of its agreement against the single server's own (issue 15's standard): with
+    its own recompute and with the common reference."""
+    single = summary.get("single server")
+    if single is None:
+        return
+    n, same = single["turns"], single["same_tokens"]
+    for side, s in summary.items():
+        if side == "single server":
+            continue
+        s["p_vs_single"] = round(fisher_p(s["same_tokens"], s["turns"], same, n), 4)
+        if s["same_as_reference"] is not None:
+            s["p_vs_single_reference"] = round(fisher_p(s["same_as_reference"], s["turns"], same, n), 4)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=12)
@@ -291,6 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     write_results(NAME, partial, out_dir=args.out)
     rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
     summary = _summary(rows)
+    _against_single(summary)
     print_table(
         "greedy agreement of reuse turns with a recompute",
         [
@@ -301,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
             "reuse = single recompute",
             "recompute = single recompute",
             "router: reused (verdicts)",
+            "p vs single (own / reference)",
         ],
         [
             [
@@ -311,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
                 "-" if s["same_as_reference"] is None else s["same_as_reference"],
                 "-" if s["recompute_same_as_reference"] is None else s["recompute_same_as_reference"],
                 f"{s['reused']} ({', '.join(s['paths'])})" if side != "single server" else "-",
+                f"{s['p_vs_single']} / {s.get('p_vs_single_reference', '-')}" if "p_vs_single" in s else "-",
             ]
             for side, s in summary.items()
         ],
