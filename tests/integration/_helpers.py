@@ -82,7 +82,10 @@ def rounding_difference(got: Turn, ref: Turn, tol: float = ROUNDING_TOL) -> str 
     for i, (g, r) in enumerate(zip(got.ids, ref.ids, strict=False)):
         if g != r:
             if i == 0:
-                return f"the first token differs: {g} != {r}"
+                # Said with both sides' odds: a near tie reads as rounding, a far-off token as wrong KV.
+                top = ref.top[0] if ref.top else "not recorded"
+                odds = got.logprobs[0] if got.logprobs else None
+                return f"the first token differs: {g} != {r} (its logprob {odds}; the reference's top {top})"
             if not ref.top:
                 return f"token {i}: {g} != {r} (no top logprobs to tell a near tie)"
             if g not in ref.top[i]:
