@@ -72,9 +72,9 @@ class RedisStore:
         # A crashed replica's lock must not block a conversation forever; turns are shorter than this.
         self._lock_ttl_ms = int(lock_ttl_s * 1000)
         self._cas = self._redis.register_script(_CAS)
+        self._unlock = self._redis.register_script(_UNLOCK)
         self._clock = clock
         self._counted: tuple[float, int] | None = None  # when, how many
-        self._unlock = self._redis.register_script(_UNLOCK)
 
     def _key(self, key: str) -> str:
         return f"{self._prefix}conv:{key}"
