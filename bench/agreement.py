@@ -310,6 +310,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
+    ap.add_argument(
+        "--sides",
+        choices=("all", "single"),
+        default="all",
+        help="single: only the single server's own side (no P/D, so no common reference), e.g. to compare "
+        "its agreement under two engine settings in one lease",
+    )
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model
 
@@ -318,10 +325,11 @@ def main(argv: list[str] | None = None) -> None:
     args.wordlevel = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
-    pd_rows = _pd_side(args, seeds, logs / "pd")
-    # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.
-    partial = {"partial": "P/D sides only", "summary": _summary(pd_rows), "turns": _public(pd_rows)}
-    write_results(NAME, partial, out_dir=args.out)
+    pd_rows = _pd_side(args, seeds, logs / "pd") if args.sides == "all" else []
+    if pd_rows:
+        # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.
+        partial = {"partial": "P/D sides only", "summary": _summary(pd_rows), "turns": _public(pd_rows)}
+        write_results(NAME, partial, out_dir=args.out)
     rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
     summary = _summary(rows)
     _against_single(summary)
