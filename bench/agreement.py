@@ -28,6 +28,7 @@ server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import uuid
 from collections.abc import Callable
@@ -139,6 +140,19 @@ def _serving(args: argparse.Namespace) -> dict[str, Any]:
     return {"extra_args": list(args.engine_arg)}
 
 
+def _kv_config(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--kv-config takes KEY=VALUE, not {item!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
     from agentkv.server._cluster import Cluster, ClusterConfig
     from bench._servers import router_server
@@ -152,6 +166,7 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
         prefill_prefix_caching=False,
         max_model_len=4096,
         log_dir=logs,
+        extra_kv_config=_kv_config(args.kv_config),
         **_serving(args),
     )
     cluster = Cluster(config=cfg)
@@ -310,6 +325,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
+    ap.add_argument(
+        "--kv-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one key of the P/D engines' kv_connector_extra_config (repeatable; the value as JSON, else "
+        "a string), e.g. agentkv_decode_tail_tokens=2",
+    )
     ap.add_argument(
         "--sides",
         choices=("all", "single"),

@@ -51,6 +51,11 @@ class ConnectorSettings:
     # conversations never make live requests wait for blocks (vLLM's fixed pin has no bound).
     max_retained_fraction: float = 0.5
     max_retained_blocks: int | None = None  # an absolute cap as well (None: the fraction alone)
+    # Prompt tokens a decode computes itself after loading a prompt's KV from prefill. vLLM loads them all and
+    # re-runs the last one alone to sample from it: a one-token step, which on GPUs replays decode's CUDA
+    # graph and rounds unlike a prefill. 2 makes that step a (two-token) prefill; see
+    # `_hashing.decode_loaded_tokens`. 1 = vLLM's own.
+    decode_tail_tokens: int = 1
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -82,9 +87,12 @@ class ConnectorSettings:
             worker_busy_loop_s=None
             if get("worker_busy_loop_s", None) in (None, "")
             else float(get("worker_busy_loop_s", None)),
+            decode_tail_tokens=int(get("decode_tail_tokens", cls.decode_tail_tokens)),
         )
         if s.lease_s <= 0 or s.max_lease_s < s.lease_s:
             raise ValueError("need 0 < agentkv_lease_s <= agentkv_max_lease_s")
+        if s.decode_tail_tokens < 1:
+            raise ValueError("agentkv_decode_tail_tokens must be >= 1 (1: vLLM's own)")
         if s.progress_delay_us < 0 or s.idle_sleep_max_ms < 0:
             raise ValueError("agentkv_progress_delay_us and agentkv_idle_sleep_max_ms must be >= 0")
         if not 0 < s.max_retained_fraction <= 1 or (

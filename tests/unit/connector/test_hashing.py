@@ -8,6 +8,7 @@ from agentkv.server._connector._hashing import (
     ChainCache,
     block_fingerprints,
     chain_digests,
+    decode_loaded_tokens,
     matching_prefix_blocks,
     parse_chain,
     prefill_computed_tokens,
@@ -93,6 +94,48 @@ def test_only_prefill_computed_kv_is_offered() -> None:
     assert prefill_computed_tokens(computed=300 + 20 - 1, num_prompt_tokens=300) == 299
     assert prefill_computed_tokens(computed=150, num_prompt_tokens=300) == 150  # stopped early: all from P
     assert prefill_computed_tokens(computed=0, num_prompt_tokens=0) == 0
+    # Where decode may have computed the prompt's last two tokens, neither is offered.
+    assert prefill_computed_tokens(computed=300 + 20 - 1, num_prompt_tokens=300, tail=2) == 298
+    assert prefill_computed_tokens(computed=150, num_prompt_tokens=300, tail=2) == 150
+
+
+def _load(n: int, computed: int = 0, *, bs: int = 16, tail: int = 2) -> int:
+    return decode_loaded_tokens(
+        num_prompt_tokens=n, num_computed=computed, count=n - computed, block_size=bs, tail=tail
+    )
+
+
+def test_decode_leaves_the_prompts_last_tokens_where_its_blocks_stay_the_same() -> None:
+    assert _load(100) == 98  # blocks 0-6 either way: decode computes tokens 98 and 99
+    assert _load(100, computed=32) == 66  # its own prefix-cache hit stays; the load shrinks
+    assert _load(96) == 94  # a full last block: still 6 blocks
+    assert _load(100, tail=1) == 100  # vLLM's own: load all, re-run the last token alone
+
+
+def test_decode_loads_everything_where_leaving_the_tail_would_drop_a_block() -> None:
+    # 97 or 98 tokens: loading 95 or 96 would fill 6 blocks of the 7 prefill sent, and NIXL pairs a shorter
+    # list with the remote's last blocks (every block read one place off): vLLM's own count instead.
+    assert _load(97) == 97
+    assert _load(98) == 98
+    assert _load(99) == 97
+    assert _load(3, bs=16) == 1
+    assert _load(2, bs=16) == 2  # nothing left to load: vLLM's
+    # An offer that is not the whole prompt (a hybrid model's N-1, a partial hit) is not touched.
+    assert decode_loaded_tokens(num_prompt_tokens=100, num_computed=0, count=99, block_size=16, tail=2) == 99
+
+
+@given(st.integers(1, 5000), st.integers(0, 300), st.sampled_from([1, 4, 16, 64]), st.integers(1, 4))
+def test_a_decode_load_never_changes_its_block_count_or_exceeds_the_offer(
+    n: int, hit_blocks: int, bs: int, tail: int
+) -> None:
+    computed = min(hit_blocks * bs, ((n - 1) // bs) * bs)
+    count = n - computed
+    loaded = decode_loaded_tokens(
+        num_prompt_tokens=n, num_computed=computed, count=count, block_size=bs, tail=tail
+    )
+    assert 1 <= loaded <= count
+    assert -(-(computed + loaded) // bs) == -(-n // bs)
+    assert loaded == count or computed + loaded == n - tail
 
 
 @given(st.lists(st.integers(0, 2**40), max_size=40), st.integers(1, 40), st.integers(0, 10))
