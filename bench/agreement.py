@@ -193,7 +193,7 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
 
             rows = []
             sides = (("P/D default", on_url), ("P/D default, pull", pull_url), ("P/D exact", exact_url))
-            for side, url in sides:
+            for side, url in sides[: 1 if args.sides == "default" else None]:
                 send, words = _sender(url, model), args.wordlevel
                 run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
                 rows += run_side(side, seeds, reuse=send, recompute=recompute, wordlevel=words)
@@ -335,10 +335,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--sides",
-        choices=("all", "single"),
+        choices=("all", "default", "single"),
         default="all",
-        help="single: only the single server's own side (no P/D, so no common reference), e.g. to compare "
-        "its agreement under two engine settings in one lease",
+        help="default: of the P/D sides only the router's default (with the single server and the common "
+        "reference), for a short run; single: only the single server's own side (no P/D, so no common "
+        "reference), e.g. to compare its agreement under two engine settings in one lease",
     )
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model
