@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "COUNT_TOKENS_PATH",
+    "DECODE_TAIL_KEY",
     "GENERATE_PATH",
     "KV_KEY",
     "MESSAGES_PATH",
@@ -52,6 +53,9 @@ RETAIN_KEY = "agentkv_retain"
 # answer) beside the prefill-computed prompt. The router sets it on every decode hop (true unless exact), so
 # one router setting decides; without it the connector's `agentkv_offer_decoded` config applies.
 OFFER_DECODED_KEY = "agentkv_offer_decoded"
+# How many of the prompt's last tokens decode computes itself after loading the rest from prefill, for one
+# request (a positive int); without it the connector's `agentkv_decode_tail_tokens` config applies.
+DECODE_TAIL_KEY = "agentkv_decode_tail_tokens"
 TOKEN_PREFILL_PATH = "/v1/completions"
 GENERATE_PATH = "/inference/v1/generate"
 # Anthropic's Messages API, which vLLM serves (and renders, >= 0.32) through its chat machinery.

@@ -232,9 +232,11 @@ def pd_turn(
     retained: dict[str, Any] | None = None,
     max_tokens: int = 12,
     timeout_s: float = HTTP_TIMEOUT_S,
+    decode_params: dict[str, Any] | None = None,
 ) -> tuple[Turn, str]:
     """One turn straight to P then D, the way the router does it, without the router. Returns D's turn and
-    the request id (for the decode retention service)."""
+    the request id (for the decode retention service). ``decode_params``: added to decode's
+    ``kv_transfer_params``."""
     rid = new_id("direct")
     base = {"model": MODEL, "messages": messages, "temperature": 0}
     p = httpx.post(
@@ -245,10 +247,12 @@ def pd_turn(
     )
     assert p.status_code == 200, p.text
     d_base = {**base, "max_tokens": max_tokens, "logprobs": True, "return_tokens_as_token_ids": True}
+    d_body = decode_body(d_base, p.json()[KV_KEY], cache_salt=f"direct-{rid}")
+    d_body[KV_KEY].update(decode_params or {})
     d = httpx.post(
         f"{decode_url}/v1/chat/completions",
         # As an exact router does: decode loads the whole prompt and reuses none of its own KV.
-        json=decode_body(d_base, p.json()[KV_KEY], cache_salt=f"direct-{rid}"),
+        json=d_body,
         headers={"X-Request-Id": rid},
         timeout=timeout_s,
     )

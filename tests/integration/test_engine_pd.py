@@ -5,9 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import httpx
 import pytest
 
+from agentkv._wire import DECODE_TAIL_KEY
 from agentkv.server._cluster import Cluster
+from agentkv.server.router._backend import block_size_of
 
 from ._clusters import LEASE_S
 from ._helpers import (
@@ -28,26 +31,47 @@ def _urls(cluster: Cluster) -> tuple[str, str, str, str]:
     return p.url, d.url, p.service_url, d.service_url
 
 
+def _prompt_sources(decode_url: str) -> tuple[float, float]:
+    """Decode's prompt tokens so far by vLLM's own count: (loaded over NIXL, computed itself)."""
+    return (
+        metric(decode_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+        metric(decode_url, "vllm:prompt_tokens_by_source_total", source="local_compute"),
+    )
+
+
 def test_prefill_to_decode_decode_computes_no_prompt_tokens(cluster: Cluster) -> None:
     p, d, _, _ = _urls(cluster)
     messages = [{"role": "user", "content": conversation_script(1, 1)[0]}]
     # Prefill alone is an ordinary single server: the reference answer, up to rounding (not bit for bit:
     # decode computes the prompt's last token on other kernels; reuse tests compare P/D with P/D).
     single = chat(p, messages, extra={"top_logprobs": 5})
-    ext0 = metric(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    loc0 = metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    ext0, loc0 = _prompt_sources(d)
     turn, _ = pd_turn(p, d, messages)
-    ext1 = metric(d, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-    loc1 = metric(d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    ext1, loc1 = _prompt_sources(d)
     assert ext1 - ext0 > 100, "decode did not receive the prompt's KV over NIXL"
+    # vLLM counts its re-run of a fully loaded prompt's last token as loaded.
     assert loc1 == loc0, "decode computed prompt tokens itself"
     assert len(turn.ids) == 12
     assert_agrees_up_to_rounding(turn, single)
+    # Asked to leave the prompt's last two tokens (`_hashing.decode_loaded_tokens`), decode computes just
+    # those: this prompt's block count allows it (checked, so the test cannot pass on vLLM's fallback).
+    ext0, loc0 = _prompt_sources(d)
+    two, _ = pd_turn(p, d, messages, decode_params={DECODE_TAIL_KEY: 2})
+    ext1, loc1 = _prompt_sources(d)
+    n = int(ext1 - ext0 + loc1 - loc0)
+    block_size = block_size_of(httpx.get(f"{d}/metrics", timeout=10).text)
+    assert block_size and n % block_size not in (1, 2), (n, block_size)
+    assert loc1 - loc0 == 2, "decode computed other prompt tokens than the last two"
+    assert_agrees_up_to_rounding(two, single)
 
 
-def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster: Cluster) -> None:
+@pytest.mark.parametrize("tail", [1, 2], ids=["vllm-tail", "two-token-tail"])
+def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster: Cluster, tail: int) -> None:
+    """Exact reuse equals the recompute bit for bit, with vLLM's one-token re-run on decode and with decode
+    computing the prompt's last two tokens (its offer then stops before both)."""
     p, d, ps, ds = _urls(cluster)
     script = conversation_script(2, 3)
+    tail_params = {DECODE_TAIL_KEY: tail}
 
     def run(reuse: bool) -> tuple[list[list[int]], list[int]]:
         history: list[dict[str, object]] = []
@@ -56,7 +80,9 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
         for msg in script:
             history.append({"role": "user", "content": msg})
             before = service_info(ps)["stats"]["tokens_pulled"]
-            turn, rid = pd_turn(p, d, history, retained=retained if reuse else None)
+            turn, rid = pd_turn(
+                p, d, history, retained=retained if reuse else None, decode_params=tail_params
+            )
             pulled.append(service_info(ps)["stats"]["tokens_pulled"] - before)
             ids.append(turn.ids)
             history.append({"role": "assistant", "content": turn.text})

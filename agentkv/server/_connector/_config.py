@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agentkv._wire import OFFER_DECODED_KEY
+from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
 
-__all__ = ["ConnectorSettings", "offers_decoded"]
+__all__ = ["ConnectorSettings", "decode_tail", "offers_decoded"]
 
 
 def _bool(value: Any, key: str) -> bool:
@@ -114,3 +114,10 @@ def offers_decoded(params: dict[str, Any] | None, *, default: bool) -> bool:
     (`OFFER_DECODED_KEY`, a real bool only) over the connector's configured default."""
     asked = (params or {}).get(OFFER_DECODED_KEY)
     return asked if isinstance(asked, bool) else default
+
+
+def decode_tail(params: dict[str, Any] | None, *, default: int) -> int:
+    """How many of the prompt's last tokens decode computes itself for this request: the request's word
+    (`DECODE_TAIL_KEY`, a positive int only) over the connector's configured default."""
+    asked = (params or {}).get(DECODE_TAIL_KEY)
+    return asked if isinstance(asked, int) and not isinstance(asked, bool) and asked >= 1 else default

@@ -216,14 +216,14 @@ def decode_loaded_tokens(
     """How many tokens decode loads from prefill (vLLM's NIXL scheduler offers ``count`` beyond the
     ``num_computed`` it holds), leaving the prompt's last ``tail`` tokens for decode to compute in one step.
 
-    vLLM loads the whole prompt and then re-runs its last token alone. On a GPU that one-token step replays
-    decode's CUDA graph (``FULL_DECODE_ONLY``), whose attention splits the work unlike a prefill's: on the
-    H200 the default mode's decode-local answers agreed with a single server's one-prefill recompute in 84 %
-    of reuse turns with decode's graphs and 95 % with every engine eager (``bench/results/
-    agreement_h200_tiny_eager/``). Computing two tokens makes the step a prefill. Only where the load keeps
-    its block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first
-    when decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every
-    block one place off. ``count`` unchanged otherwise (a prompt that is not fully offered, ``tail`` 1).
+    vLLM loads the whole prompt and then re-runs its last token alone. On a GPU that one-token step is a
+    decode batch, which decode's CUDA graph (``FULL_DECODE_ONLY``) computes; on the H200 the default mode's
+    decode-local answers gave a single server's one-prefill answer in 84 % of reuse turns with decode's
+    graphs and in 95 % with every engine eager, the single server's own rate (``bench/results/
+    agreement_h200_tiny_eager_reference/``). Two tokens make the step a prefill. Only where the load keeps its
+    block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first when
+    decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every block one
+    place off. ``count`` unchanged otherwise (a prompt that is not fully offered, ``tail`` 1).
     """
     if tail <= 1 or block_size <= 0 or num_computed + count != num_prompt_tokens:
         return count

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer
-from agentkv.server._connector._config import ConnectorSettings, offers_decoded
+from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
     ChainCache,
@@ -92,11 +92,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         )
         self.cost.bytes_per_token = _kv_bytes_per_token(kv_cache_config, self.block_size)
         # Decode leaves the prompt's last tokens to compute only where one block size describes every layer.
-        self._decode_tail = (
-            self.agentkv.decode_tail_tokens
-            if self.is_decode and len(kv_cache_config.kv_cache_groups) == 1
-            else 1
-        )
+        self._leaves_tail = self.is_decode and len(kv_cache_config.kv_cache_groups) == 1
         # The engine core reads its worker's answers through a queue reader too: bound its waits.
         tune_queue_readers(busy_loop_s=None, max_wait_ms=self.agentkv.queue_max_wait_ms)
         self._awaiting: set[str] = set()  # KV loads in flight, either direction: never wait while one is
@@ -166,19 +162,23 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             params["_agentkv_checked"] = True
             self._check_offer(request, params, num_computed_tokens)
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if is_async and self._decode_tail > 1 and params and params.get("do_remote_prefill"):
+        if is_async and params and params.get("do_remote_prefill"):
             count = decode_loaded_tokens(
                 num_prompt_tokens=request.num_prompt_tokens,
                 num_computed=num_computed_tokens,
                 count=count,
                 block_size=self.block_size,
-                tail=self._decode_tail,
+                tail=self._tail(params),
             )
         if is_async:
             # Either direction (decode loading prefill's KV, prefill pulling decode's): the engine must keep
             # stepping promptly until the load lands, so no idle wait while one is pending.
             self._awaiting.add(request.request_id)
         return count, is_async
+
+    def _tail(self, params: dict[str, Any] | None) -> int:
+        """The prompt tokens this decode leaves itself to compute for a request (1: vLLM's own)."""
+        return decode_tail(params, default=self.agentkv.decode_tail_tokens) if self._leaves_tail else 1
 
     def _check_offer(self, request: Request, params: dict[str, Any], num_computed: int) -> None:
         offered = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
@@ -275,7 +275,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             n = int(params.get("remote_num_tokens") or 0)
             if not offers_decoded(request.kv_transfer_params, default=self.agentkv.offer_decoded):
                 n = prefill_computed_tokens(
-                    computed=n, num_prompt_tokens=request.num_prompt_tokens, tail=self._decode_tail
+                    computed=n,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    tail=self._tail(request.kv_transfer_params),
                 )
                 params.update(cut_offer(params, n, self.block_size))
             ids = request.all_token_ids

@@ -1,7 +1,7 @@
 import pytest
 
-from agentkv._wire import OFFER_DECODED_KEY
-from agentkv.server._connector._config import ConnectorSettings, offers_decoded
+from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
+from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server._connector._cost import PullCostModel, _DecayedLine
 from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._service import RetentionService, render_metrics
@@ -42,7 +42,7 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
         ConnectorSettings.from_extra({"agentkv_decode_tail_tokens": 0})
 
 
-def test_the_routers_word_on_a_request_decides_what_decode_offers() -> None:
+def test_a_requests_word_decides_what_decode_offers_and_computes() -> None:
     for default in (False, True):
         assert offers_decoded({OFFER_DECODED_KEY: True}, default=default) is True
         assert offers_decoded({OFFER_DECODED_KEY: False}, default=default) is False
@@ -50,6 +50,12 @@ def test_the_routers_word_on_a_request_decides_what_decode_offers() -> None:
         assert offers_decoded({"do_remote_decode": True}, default=default) is default
         assert offers_decoded(None, default=default) is default
         assert offers_decoded({OFFER_DECODED_KEY: "yes"}, default=default) is default
+    for default in (1, 2):
+        assert decode_tail({DECODE_TAIL_KEY: 2}, default=default) == 2
+        assert decode_tail({DECODE_TAIL_KEY: 1}, default=default) == 1
+        # Nothing said, or not a positive int (a bool is not one): the configured default.
+        for bad in ({}, None, {DECODE_TAIL_KEY: 0}, {DECODE_TAIL_KEY: True}, {DECODE_TAIL_KEY: "2"}):
+            assert decode_tail(bad, default=default) == default
     with pytest.raises(ValueError):
         ConnectorSettings.from_extra({"agentkv_prefix_check": "maybe"})
     with pytest.raises(ValueError):
