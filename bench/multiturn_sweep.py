@@ -131,7 +131,8 @@ def stream_turn(
     }
     t0 = time.perf_counter()
     ttft = first_event = None
-    text, usage = "", {}
+    text = ""
+    usage: dict[str, Any] = {}
     with client.stream(
         "POST", f"{router}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=600
     ) as r:
@@ -546,7 +547,7 @@ def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
             i + 0.2, xfer, 0.4, bottom=comp, color="tab:orange", label="ON: KV transfer" if i == 0 else None
         )
         if s.get("prefill_ms_floor"):
-            ax.hlines(s["prefill_ms_floor"], i, i + 0.4, colors="black", label="floor" if i == 0 else None)
+            ax.hlines(s["prefill_ms_floor"], i, i + 0.4, colors="black", label="floor" if i == 0 else "")
     ax.set_xticks(range(len(summary)), [f"{x:,.0f}" for x in xs])
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("prefill ms (median)")
@@ -661,12 +662,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge:
         docs = [json.loads(Path(p).read_text()) for p in args.merge]
         shape, device = docs[0]["data"]["shape"], docs[0]["data"]["device"]
-        rows = [r for d in docs for r in d["data"]["requests"]]
+        merged = [r for d in docs for r in d["data"]["requests"]]
         data = {
             "device": device,
             "shape": shape,
-            "requests": rows,
-            "summary": summarize(rows, shape),
+            "requests": merged,
+            "summary": summarize(merged, shape),
             "merged_from": [d.get("command") for d in docs],
             # The runs' own engines and host (the device's vLLM/NIXL), not this machine's.
             "merged_versions": [d.get("versions") for d in docs],
