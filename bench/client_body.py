@@ -18,6 +18,7 @@ Median ms of ``--rounds`` per turn.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import random
 import time
@@ -121,9 +122,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         messages = conversation(n, args.tool_tokens, rng)
         params = {"model": "m", "messages": messages, "max_tokens": 8}
         # One warm-up call each: the SDK builds and caches its type information on first use.
-        sides = {
-            "openai create": lambda p=params: sdk.chat.completions.create(**p),
-            "agentkv Transport": lambda p=params: ours.complete(p),
+        sides: dict[str, Callable[[], object]] = {
+            "openai create": functools.partial(sdk.chat.completions.create, **params),
+            "agentkv Transport": functools.partial(ours.complete, params),
         }
         if importlib.util.find_spec("langchain_openai") is not None:
             sides.update(_langchain_sides(http, messages))

@@ -36,7 +36,9 @@ def _text(rng: random.Random, lo: int, hi: int, *, words: list[str] | None) -> s
     return " ".join(rng.choice(words) for _ in range(n))
 
 
-def _turn(url: str, model: str, messages: list[dict[str, str]], cid: str | None) -> tuple[str, list[Any]]:
+def _turn(
+    url: str, model: str, messages: list[dict[str, str]], cid: str | None
+) -> tuple[str, list[Any], str | None]:
     body = {
         "model": model,
         "messages": messages,

@@ -57,7 +57,7 @@ def _bodies(n: int, rng: random.Random) -> tuple[bytes, dict[str, Any], dict[str
     ids = [rng.randrange(150_000) for _ in range(n)]
     render = json.dumps({"request_id": "r", "token_ids": ids, "sampling_params": {"max_tokens": 32}}).encode()
     prefill = {"model": "m", "prompt": ids, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    messages = []
+    messages: list[dict[str, str]] = []
     while sum(len(m["content"]) for m in messages) < 4 * n:
         text = " ".join(f"{rng.choice(WORDS)}{rng.randint(0, 99)}" for _ in range(400))
         messages.append({"role": "tool", "content": text, "tool_call_id": f"call_{len(messages)}"})

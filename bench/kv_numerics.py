@@ -79,8 +79,10 @@ def _measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         params = SamplingParams(temperature=0, max_tokens=n, logprobs=1)
         out = llm.generate([TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], params, use_tqdm=False)
         completion = out[0].outputs[0]
+        # logprobs=1 gives every sampled position its entry (a None would fail here, not skew the figure).
         chosen = [
-            lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [], strict=True)
+            lp[t].logprob  # type: ignore[index]
+            for t, lp in zip(completion.token_ids, completion.logprobs or [], strict=True)
         ]
         return list(completion.token_ids), chosen
 

@@ -20,9 +20,9 @@ import argparse
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from agentkv.server._tokenizer_cache import TokenizerCache
+from agentkv.server._tokenizer_cache import AddedTokenInfo, TokenizerCache
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, prompt_tail
 
 WORDS = "agent tool search file row column query report number answer table cache block def return".split()
@@ -41,9 +41,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     def encode(text: str, special: bool) -> list[int]:
         return list(tok(text, add_special_tokens=special)["input_ids"])
 
-    cache = TokenizerCache(
-        encode=encode, added=tok.added_tokens_decoder, max_bytes=1 << 30, unknown_id=tok.unk_token_id
-    )
+    # transformers' AddedToken has what AddedTokenInfo names; its stubs type the fields otherwise.
+    added_tokens = cast("dict[int, AddedTokenInfo]", tok.added_tokens_decoder)
+    cache = TokenizerCache(encode=encode, added=added_tokens, max_bytes=1 << 30, unknown_id=tok.unk_token_id)
     if not cache.reusing:
         raise SystemExit(f"{args.model}: this tokenizer fails the cache's probe; nothing to measure")
     # The answer's first token, and what the detokenizer part needs, are the same every turn.
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         messages.append({"role": "assistant", "content": f"Reading part {turn}."})
         messages.append({"role": "user", "content": _result(rng, args.result_tokens // 2)})
         t0 = time.perf_counter()
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = str(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
         t1 = time.perf_counter()
         whole = encode(text, False)
         t2 = time.perf_counter()

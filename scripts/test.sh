@@ -6,7 +6,7 @@ bash scripts/setup.sh || exit 1
 PY=${PYTHON:-python3}
 $PY -m ruff format --check agentkv tests bench examples || exit 1
 $PY -m ruff check agentkv tests bench examples || exit 1
-$PY -m mypy agentkv || exit 1
+$PY -m mypy agentkv bench || exit 1
 # The SDK must work with openai 2.x (httpx) and 3.x (httpx2): its unit tests run once more with openai 3 on
 # the path (pinned; a separate --target dir, since llama-index-llms-openai pins openai < 3 in the main env).
 O3=.agentkv/openai3
