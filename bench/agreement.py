@@ -2,6 +2,8 @@
 
     python -m bench.agreement                 # CPU, tiny model: a 1P1D cluster, then one vLLM server (~8 min)
     python -m bench.agreement --seeds 24      # more conversations
+    python -m bench.agreement --sides default --also-kv-config agentkv_decode_tail_tokens=2
+                                              # the default mode with and without a connector setting
     bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
@@ -153,7 +155,10 @@ def _kv_config(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[str, Any]]:
+def _pd_side(
+    args: argparse.Namespace, seeds: range, logs: Path, kv_config: dict[str, Any], label: str = ""
+) -> list[dict[str, Any]]:
+    """The P/D sides on one 1P1D cluster whose engines get ``kv_config``; ``label`` ends each side's name."""
     from agentkv.server._cluster import Cluster, ClusterConfig
     from bench._servers import router_server
 
@@ -166,7 +171,7 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
         prefill_prefix_caching=False,
         max_model_len=4096,
         log_dir=logs,
-        extra_kv_config=_kv_config(args.kv_config),
+        extra_kv_config=kv_config,
         **_serving(args),
     )
     cluster = Cluster(config=cfg)
@@ -196,7 +201,7 @@ def _pd_side(args: argparse.Namespace, seeds: range, logs: Path) -> list[dict[st
             for side, url in sides[: 1 if args.sides == "default" else None]:
                 send, words = _sender(url, model), args.wordlevel
                 run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
-                rows += run_side(side, seeds, reuse=send, recompute=recompute, wordlevel=words)
+                rows += run_side(side + label, seeds, reuse=send, recompute=recompute, wordlevel=words)
             return rows
     finally:
         cluster.down()
@@ -334,6 +339,14 @@ def main(argv: list[str] | None = None) -> None:
         "a string), e.g. agentkv_decode_tail_tokens=2",
     )
     ap.add_argument(
+        "--also-kv-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="then the P/D sides again on a second cluster with these keys over --kv-config (repeatable), "
+        "against the same single server and common reference: an A/B of a connector setting in one run",
+    )
+    ap.add_argument(
         "--sides",
         choices=("all", "default", "single"),
         default="all",
@@ -349,7 +362,14 @@ def main(argv: list[str] | None = None) -> None:
     args.wordlevel = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
-    pd_rows = _pd_side(args, seeds, logs / "pd") if args.sides == "all" else []
+    pd_rows = []
+    if args.sides != "single":
+        base = _kv_config(args.kv_config)
+        pd_rows = _pd_side(args, seeds, logs / "pd", base)
+        if args.also_kv_config:
+            label = " [" + ", ".join(args.also_kv_config) + "]"
+            also = {**base, **_kv_config(args.also_kv_config)}
+            pd_rows += _pd_side(args, seeds, logs / "pd-also", also, label)
     if pd_rows:
         # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.
         partial = {"partial": "P/D sides only", "summary": _summary(pd_rows), "turns": _public(pd_rows)}

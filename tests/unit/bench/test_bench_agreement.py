@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.agreement import _against_single, fisher_p
+from bench.agreement import _against_single, _kv_config, fisher_p
 
 
 def test_fisher_p_on_textbook_tables() -> None:
@@ -26,3 +26,13 @@ def test_each_pd_side_is_compared_with_the_single_servers_agreement() -> None:
     assert side["p_vs_single_reference"] == round(fisher_p(162, 192, 179, 192), 4)
     assert 0 < side["p_vs_single_reference"] < side["p_vs_single"] < 0.05
     assert "p_vs_single" not in summary["single server"]
+
+
+def test_connector_keys_from_the_command_line() -> None:
+    assert _kv_config(["agentkv_decode_tail_tokens=2", "agentkv_prefix_check=false", "mode=fast"]) == {
+        "agentkv_decode_tail_tokens": 2,
+        "agentkv_prefix_check": False,
+        "mode": "fast",
+    }
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        _kv_config(["agentkv_decode_tail_tokens"])
