@@ -214,20 +214,21 @@ def decode_loaded_tokens(
     *, num_prompt_tokens: int, num_computed: int, count: int, block_size: int, tail: int
 ) -> int:
     """How many tokens decode loads from prefill (vLLM's NIXL scheduler offers ``count`` beyond the
-    ``num_computed`` it holds), leaving the prompt's last ``tail`` tokens for decode to compute in one step.
+    ``num_computed`` it holds), leaving up to the prompt's last ``tail`` tokens for decode to compute in one
+    step.
 
     vLLM loads the whole prompt and then re-runs its last token alone. On a GPU that one-token step is a
     decode batch, which decode's CUDA graph (``FULL_DECODE_ONLY``) computes; on the H200 the default mode's
     decode-local answers gave a single server's one-prefill answer in 84 % of reuse turns with decode's
     graphs and in 95 % with every engine eager, the single server's own rate (``bench/results/
-    agreement_h200_tiny_eager_reference/``). Two tokens make the step a prefill. Only where the load keeps its
+    agreement_h200_tiny_eager_reference/``). Two tokens or more make the step a prefill. The load keeps its
     block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first when
     decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every block one
-    place off. ``count`` unchanged otherwise (a prompt that is not fully offered, ``tail`` 1).
+    place off. So the tail stays inside the prompt's last block (at most its tokens there less one), and
+    where that leaves fewer than two, ``count`` is returned unchanged, as for a prompt not fully offered.
     """
     if tail <= 1 or block_size <= 0 or num_computed + count != num_prompt_tokens:
         return count
-    loaded = num_prompt_tokens - tail - num_computed
-    if loaded < 1 or -(-(num_computed + loaded) // block_size) != -(-num_prompt_tokens // block_size):
-        return count
-    return loaded
+    in_last_block = num_prompt_tokens - block_size * ((num_prompt_tokens - 1) // block_size)
+    left = min(tail, in_last_block - 1, count - 1)
+    return count - left if left >= 2 else count
