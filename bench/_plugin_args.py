@@ -4,11 +4,24 @@ by the benchmarks that start clusters."""
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
-__all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "plugin_fields"]
+__all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "kv_config_item", "plugin_fields"]
+
+
+def kv_config_item(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` of a ``--kv-config`` flag (an argparse ``type``): the value as JSON where it parses
+    (numbers, booleans), else text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
+from bench._plugin_args import kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
 
 NAME = "agreement"
@@ -140,19 +141,6 @@ def _serving(args: argparse.Namespace) -> dict[str, Any]:
         serving["extra_args"] += args.engine_arg
         return serving
     return {"extra_args": list(args.engine_arg)}
-
-
-def _kv_config(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--kv-config takes KEY=VALUE, not {item!r}")
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
 
 
 def _pd_side(
@@ -334,6 +322,7 @@ def main(argv: list[str] | None = None) -> None:
         "--kv-config",
         action="append",
         default=[],
+        type=kv_config_item,
         metavar="KEY=VALUE",
         help="one key of the P/D engines' kv_connector_extra_config (repeatable; the value as JSON, else "
         "a string), e.g. agentkv_decode_tail_tokens=2",
@@ -342,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         "--also-kv-config",
         action="append",
         default=[],
+        type=kv_config_item,
         metavar="KEY=VALUE",
         help="then the P/D sides again on a second cluster with these keys over --kv-config (repeatable), "
         "against the same single server and common reference: an A/B of a connector setting in one run",
@@ -364,11 +354,11 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(".agentkv/bench-logs/agreement")
     pd_rows = []
     if args.sides != "single":
-        base = _kv_config(args.kv_config)
+        base = dict(args.kv_config)
         pd_rows = _pd_side(args, seeds, logs / "pd", base)
         if args.also_kv_config:
-            label = " [" + ", ".join(args.also_kv_config) + "]"
-            also = {**base, **_kv_config(args.also_kv_config)}
+            label = " [" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.also_kv_config) + "]"
+            also = {**base, **dict(args.also_kv_config)}
             pd_rows += _pd_side(args, seeds, logs / "pd-also", also, label)
     if pd_rows:
         # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.

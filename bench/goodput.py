@@ -54,7 +54,7 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, plugin_fields
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, kv_config_item, plugin_fields
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -498,7 +498,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--kv-config",
         action="append",
-        type=_kv_config_item,
+        type=kv_config_item,
         help="KEY=VALUE into the P/D engines' kv_connector_extra_config (repeat; VALUE read as JSON where it "
         "parses), e.g. agentkv_max_retained_fraction=0.3",
     )
@@ -522,17 +522,6 @@ def _parser() -> argparse.ArgumentParser:
         help="combine the legs of runs of one config into --out, then plot",
     )
     return ap
-
-
-def _kv_config_item(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` of ``--kv-config``: the value as JSON where it parses (numbers, booleans), else text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, json.loads(value)
-    except ValueError:
-        return key, value
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
-from bench.agreement import _against_single, _kv_config, fisher_p
+from bench._plugin_args import kv_config_item
+from bench.agreement import _against_single, fisher_p
 
 
 def test_fisher_p_on_textbook_tables() -> None:
@@ -29,10 +32,11 @@ def test_each_pd_side_is_compared_with_the_single_servers_agreement() -> None:
 
 
 def test_connector_keys_from_the_command_line() -> None:
-    assert _kv_config(["agentkv_decode_tail_tokens=2", "agentkv_prefix_check=false", "mode=fast"]) == {
+    items = ["agentkv_decode_tail_tokens=2", "agentkv_prefix_check=false", "mode=fast"]
+    assert dict(map(kv_config_item, items)) == {
         "agentkv_decode_tail_tokens": 2,
         "agentkv_prefix_check": False,
         "mode": "fast",
     }
-    with pytest.raises(SystemExit, match="KEY=VALUE"):
-        _kv_config(["agentkv_decode_tail_tokens"])
+    with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+        kv_config_item("agentkv_decode_tail_tokens")

@@ -22,8 +22,9 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import CONNECTOR, VLLM, Sample, digest, parse, series
+from bench._plugin_args import kv_config_item
 from bench._trace import Conversation, Request
-from bench.goodput import _kv_config_item, groups, limits, router_paths, router_settings, targets
+from bench.goodput import groups, limits, router_paths, router_settings, targets
 
 VLLM_TEXT = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -338,12 +339,12 @@ def test_router_settings_per_leg() -> None:
 
 
 def test_kv_config_items_read_json_values_and_refuse_a_missing_key() -> None:
-    assert _kv_config_item("agentkv_max_retained_fraction=0.3") == ("agentkv_max_retained_fraction", 0.3)
-    assert _kv_config_item("agentkv_offer_decoded=true") == ("agentkv_offer_decoded", True)
-    assert _kv_config_item("agentkv_service_host=10.0.0.1") == ("agentkv_service_host", "10.0.0.1")
+    assert kv_config_item("agentkv_max_retained_fraction=0.3") == ("agentkv_max_retained_fraction", 0.3)
+    assert kv_config_item("agentkv_offer_decoded=true") == ("agentkv_offer_decoded", True)
+    assert kv_config_item("agentkv_service_host=10.0.0.1") == ("agentkv_service_host", "10.0.0.1")
     for bad in ("no_equals", "=1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _kv_config_item(bad)
+            kv_config_item(bad)
 
 
 def test_router_paths_reads_the_routers_own_metric_names() -> None:
