@@ -381,7 +381,7 @@ def _stream_and_fault(router: RouterProc, cid: str, h: list[Any], fault: Callabl
         "ignore_eos": True,
         # Twenty alternatives per token make every event costlier for decode to produce: the tiny model
         # otherwise streams its 3,000 tokens in about a second, and a test process starved that long (2 busy
-        # cores) once read the fifth event after decode had sent them all, faulting a finished answer.
+        # cores) would read the fifth event after decode had sent them all, faulting a finished answer.
         "logprobs": True,
         "top_logprobs": 20,
     }
