@@ -40,12 +40,14 @@ from typing import Any
 
 import httpx
 
+from agentkv._wire import KV_KEY, prefill_params
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 from bench._plugin_args import kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
 
 NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
+_MAX_TOKENS = 24  # greedy output tokens per answer
 
 
 def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
@@ -62,7 +64,7 @@ def _sender(url: str, model: str) -> Send:
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
-            "max_tokens": 24,
+            "max_tokens": _MAX_TOKENS,
             "temperature": 0,
             "logprobs": True,
             "return_tokens_as_token_ids": True,
@@ -132,6 +134,51 @@ def run_side(
     return rows
 
 
+def _from_prefill_first_token(prefill: str, decode: str, model: str) -> Callable[..., list[str] | None]:
+    """``answer(messages)``: a P/D recompute in which decode starts from the token prefill sampled (as
+    SGLang's P/D does) instead of computing the prompt's last token again: prefill computes the whole prompt
+    and samples token 1; decode is given the prompt plus token 1, loads the prompt's KV (vLLM's decode loads
+    all but its prompt's last token, i.e. exactly what prefill computed) and computes token 1 in its first
+    step, as one server computes its first decode step. Completions with token ids, so no output parser
+    needs to see token 1; None where a hop failed."""
+
+    def answer(messages: list[dict[str, str]]) -> list[str] | None:
+        rendered = httpx.post(
+            f"{prefill}/tokenize",
+            json={"model": model, "messages": messages, "add_generation_prompt": True},
+            timeout=600,
+        )
+        rendered.raise_for_status()
+        ids = rendered.json()["tokens"]
+        common = {"model": model, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        first = httpx.post(
+            f"{prefill}/v1/completions",
+            json={**common, "prompt": ids, "max_tokens": 1, KV_KEY: prefill_params(None)},
+            timeout=600,
+        )
+        if first.status_code != 200:
+            return None
+        choice = first.json()["choices"][0]
+        tokens: list[str] = choice["logprobs"]["tokens"]
+        if choice["finish_reason"] == "stop":  # token 1 ended the answer (EOS or a stop token)
+            return tokens
+        rest = httpx.post(
+            f"{decode}/v1/completions",
+            json={
+                **common,
+                "prompt": [*ids, int(tokens[0].removeprefix("token_id:"))],
+                "max_tokens": _MAX_TOKENS - 1,
+                KV_KEY: first.json()[KV_KEY],
+            },
+            timeout=600,
+        )
+        if rest.status_code != 200:
+            return None
+        return tokens + rest.json()["choices"][0]["logprobs"]["tokens"]
+
+    return answer
+
+
 def _serving(args: argparse.Namespace) -> dict[str, Any]:
     """How the engines serve the model: the tiny model's settings on CPU, ``--engine-arg`` on either."""
     from agentkv.server._model import tiny_serving
@@ -190,6 +237,13 @@ def _pd_side(
                 send, words = _sender(url, model), args.wordlevel
                 run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
                 rows += run_side(side + label, seeds, reuse=send, recompute=recompute, wordlevel=words)
+            if args.prefill_first_token:
+                answer = _from_prefill_first_token(urls["prefill_url"], urls["decode_url"], model)
+                with make_progress() as progress:
+                    task = progress.add_task("from P's first token", total=len(rows))
+                    for row in rows:
+                        row["first_token_recompute_tokens"] = answer(row["history"])
+                        progress.advance(task)
             return rows
     finally:
         cluster.down()
@@ -230,6 +284,10 @@ def _single_side(
                 reference = send(row["history"], uuid.uuid4().hex, salt=True)["tokens"]
                 row["same_as_reference"] = row["tokens"] == reference
                 row["recompute_same_as_reference"] = row["recompute_tokens"] == reference
+                if row.get("first_token_recompute_tokens") is not None:
+                    row["first_token_recompute_same_as_reference"] = (
+                        row["first_token_recompute_tokens"] == reference
+                    )
                 progress.advance(task)
         return rows
     finally:
@@ -278,6 +336,14 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 sum(r["recompute_same_as_reference"] for r in reference) if reference else None
             ),
         }
+        first = [r for r in reference if "first_token_recompute_tokens" in r]
+        if first:  # --prefill-first-token: of these turns, how many such recomputes gave the reference
+            summary[side]["first_token_recompute_same_as_reference"] = sum(
+                bool(r.get("first_token_recompute_same_as_reference")) for r in first
+            )
+            summary[side]["first_token_recompute_failed"] = sum(
+                r["first_token_recompute_tokens"] is None for r in first
+            )
     return summary
 
 
@@ -344,6 +410,13 @@ def main(argv: list[str] | None = None) -> None:
         "reference), for a short run; single: only the single server's own side (no P/D, so no common "
         "reference), e.g. to compare its agreement under two engine settings in one lease",
     )
+    ap.add_argument(
+        "--prefill-first-token",
+        action="store_true",
+        help="also recompute every P/D reuse turn's history with decode starting from prefill's sampled "
+        "first token (not agentkv's hop: an experiment on the engines' completions route), against the "
+        "common reference",
+    )
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model
 
@@ -376,6 +449,7 @@ def main(argv: list[str] | None = None) -> None:
             "max |d first logprob|",
             "reuse = single recompute",
             "recompute = single recompute",
+            "from P's first token = single recompute",
             "router: reused (verdicts)",
             "p vs single (own / reference)",
         ],
@@ -387,6 +461,7 @@ def main(argv: list[str] | None = None) -> None:
                 s["max_first_logprob_diff"],
                 "-" if s["same_as_reference"] is None else s["same_as_reference"],
                 "-" if s["recompute_same_as_reference"] is None else s["recompute_same_as_reference"],
+                s.get("first_token_recompute_same_as_reference", "-"),
                 f"{s['reused']} ({', '.join(s['paths'])})" if side != "single server" else "-",
                 f"{s['p_vs_single']} / {s.get('p_vs_single_reference', '-')}" if "p_vs_single" in s else "-",
             ]
