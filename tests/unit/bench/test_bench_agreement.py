@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+import respx
 
 from bench._plugin_args import kv_config_item
-from bench.agreement import _against_single, fisher_p
+from bench.agreement import _against_single, _from_prefill_first_token, fisher_p
 
 
 def test_fisher_p_on_textbook_tables() -> None:
@@ -40,3 +42,46 @@ def test_connector_keys_from_the_command_line() -> None:
     }
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         kv_config_item("agentkv_decode_tail_tokens")
+
+
+def _completion(tokens: list[str], finish: str, kv: dict[str, object] | None = None) -> dict[str, object]:
+    choice = {"logprobs": {"tokens": tokens}, "finish_reason": finish}
+    return {"choices": [choice], "kv_transfer_params": kv}
+
+
+@respx.mock
+def test_decode_starts_from_the_token_prefill_sampled() -> None:
+    respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
+    prefill = respx.post("http://p/v1/completions").respond(
+        json=_completion(["token_id:42"], "length", {"remote_block_ids": [3]})
+    )
+    decode = respx.post("http://d/v1/completions").respond(
+        json=_completion(["token_id:8", "token_id:9"], "length")
+    )
+    answer = _from_prefill_first_token("http://p", "http://d", "m")
+    assert answer([{"role": "user", "content": "hi"}]) == ["token_id:42", "token_id:8", "token_id:9"]
+    p, d = json.loads(prefill.calls.last.request.content), json.loads(decode.calls.last.request.content)
+    assert (p["prompt"], p["max_tokens"], p["kv_transfer_params"]["do_remote_decode"]) == ([5, 6, 7], 1, True)
+    # Decode gets the prompt plus prefill's token, prefill's params as they came, one token fewer to write.
+    assert (d["prompt"], d["max_tokens"], d["kv_transfer_params"]) == (
+        [5, 6, 7, 42],
+        23,
+        {"remote_block_ids": [3]},
+    )
+
+
+@respx.mock
+def test_an_answer_that_ends_at_prefills_token_has_no_decode_hop() -> None:
+    respx.post("http://p/tokenize").respond(json={"tokens": [5]})
+    respx.post("http://p/v1/completions").respond(json=_completion(["token_id:0"], "stop"))
+    decode = respx.post("http://d/v1/completions")
+    assert _from_prefill_first_token("http://p", "http://d", "m")([]) == ["token_id:0"]
+    assert not decode.called
+
+
+@respx.mock
+def test_a_failed_hop_is_none_not_an_answer() -> None:
+    respx.post("http://p/tokenize").respond(json={"tokens": [5]})
+    respx.post("http://p/v1/completions").respond(json=_completion(["token_id:1"], "length", {}))
+    respx.post("http://d/v1/completions").respond(status_code=500)
+    assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
