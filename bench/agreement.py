@@ -150,7 +150,15 @@ def _from_prefill_first_token(prefill: str, decode: str, model: str) -> Callable
         )
         rendered.raise_for_status()
         ids = rendered.json()["tokens"]
-        common = {"model": model, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        # A fresh salt: decode's prefix cache holds this history from the reuse side, and a recompute must
+        # load every prompt token from prefill, never KV decode cached (as the exact router's decode hop).
+        common = {
+            "model": model,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "cache_salt": uuid.uuid4().hex,
+        }
         first = httpx.post(
             f"{prefill}/v1/completions",
             json={**common, "prompt": ids, "max_tokens": 1, KV_KEY: prefill_params(None)},

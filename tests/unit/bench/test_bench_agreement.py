@@ -68,6 +68,8 @@ def test_decode_starts_from_the_token_prefill_sampled() -> None:
         23,
         {"remote_block_ids": [3]},
     )
+    # A salt no other request had, so that decode loads the prompt instead of hitting KV it cached.
+    assert d["cache_salt"] and d["cache_salt"] == p["cache_salt"]
 
 
 @respx.mock
