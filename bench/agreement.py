@@ -4,6 +4,9 @@
     python -m bench.agreement --seeds 24      # more conversations
     python -m bench.agreement --sides default --also-kv-config agentkv_decode_tail_tokens=2
                                               # the default mode with and without a connector setting
+    python -m bench.agreement --sides default --prefill-first-token
+                                              # also a P/D recompute in which decode starts from the
+                                              # token prefill sampled (an experiment, not agentkv's hop)
     bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
