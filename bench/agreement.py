@@ -43,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from agentkv._wire import KV_KEY, prefill_params
+from agentkv._wire import KV_KEY, decode_body, prefill_params, token_prefill
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 from bench._plugin_args import kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
@@ -155,32 +155,32 @@ def _from_prefill_first_token(prefill: str, decode: str, model: str) -> Callable
         ids = rendered.json()["tokens"]
         # A fresh salt: decode's prefix cache holds this history from the reuse side, and a recompute must
         # load every prompt token from prefill, never KV decode cached (as the exact router's decode hop).
-        common = {
-            "model": model,
-            "temperature": 0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
-            "cache_salt": uuid.uuid4().hex,
-        }
-        first = httpx.post(
-            f"{prefill}/v1/completions",
-            json={**common, "prompt": ids, "max_tokens": 1, KV_KEY: prefill_params(None)},
-            timeout=600,
+        salt = uuid.uuid4().hex
+        ask = {"logprobs": 1, "return_tokens_as_token_ids": True}
+        path, body = token_prefill(
+            {"token_ids": ids, "cache_salt": salt},
+            model=model,
+            kv_params=prefill_params(None),
+            generate=False,
         )
+        first = httpx.post(f"{prefill}{path}", json={**body, **ask}, timeout=600)
         if first.status_code != 200:
             return None
-        choice = first.json()["choices"][0]
+        answered = first.json()
+        choice = answered["choices"][0]
         tokens: list[str] = choice["logprobs"]["tokens"]
         if choice["finish_reason"] == "stop":  # token 1 ended the answer (EOS or a stop token)
             return tokens
+        rest_body = {
+            "model": model,
+            "prompt": [*ids, int(tokens[0].removeprefix("token_id:"))],
+            "max_tokens": _MAX_TOKENS - 1,
+            "temperature": 0,
+            **ask,
+        }
         rest = httpx.post(
             f"{decode}/v1/completions",
-            json={
-                **common,
-                "prompt": [*ids, int(tokens[0].removeprefix("token_id:"))],
-                "max_tokens": _MAX_TOKENS - 1,
-                KV_KEY: first.json()[KV_KEY],
-            },
+            json=decode_body(rest_body, answered[KV_KEY], cache_salt=salt),
             timeout=600,
         )
         if rest.status_code != 200:
