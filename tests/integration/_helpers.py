@@ -6,6 +6,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,22 @@ def metric(url: str, name: str, **labels: str) -> float:
         if all(have.get(k, "").strip('"') == v for k, v in labels.items()):
             total += float(m["value"])
     return total
+
+
+def wait_until(
+    done: Callable[[], bool], *, timeout_s: float, what: Callable[[], str], every_s: float = 0.2
+) -> None:
+    """Poll ``done`` until it holds; fail with ``what()`` once a poll that *began* after the deadline still
+    finds it false. A poll is judged by when it began: on a starved host one can return long after the
+    state it reports was read (the router once reported 7 s left on an 8 s lease 72 s into the wait), and
+    such a stale answer says nothing about the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        began = time.monotonic()
+        if done():
+            return
+        assert began < deadline, what()
+        time.sleep(every_s)
 
 
 def service_call(method: str, url: str, **kwargs: Any) -> httpx.Response:

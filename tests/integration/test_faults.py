@@ -36,6 +36,7 @@ from ._helpers import (
     new_id,
     pd_turn,
     service_info,
+    wait_until,
 )
 
 SHORT = {
@@ -253,13 +254,13 @@ def test_frozen_decode_times_out_cleanly_and_recovers(
 
 
 def _wait_healthy_decodes(routers: list[RouterProc], n: int, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    for r in routers:
-        if r.proc.poll() is not None:
-            continue  # a replica an earlier test stopped
-        while metric(r.url, "agentkv_healthy_backends", role="decode") < n:
-            assert time.monotonic() < deadline, f"{r.url} does not see {n} healthy decodes"
-            time.sleep(0.5)
+    live = [r for r in routers if r.proc.poll() is None]  # not replicas an earlier test stopped
+    wait_until(
+        lambda: all(metric(r.url, "agentkv_healthy_backends", role="decode") >= n for r in live),
+        timeout_s=timeout_s,
+        what=lambda: f"not every router of {[r.url for r in live]} sees {n} healthy decodes",
+        every_s=0.5,
+    )
 
 
 def _resumes(router: RouterProc, off: RouterProc, cid: str, h: list[dict[str, object]], last: Any) -> None:
@@ -327,16 +328,19 @@ def _engine_id(engine: Engine) -> str:
 
 def _wait_new_engine_id(engine: Engine, old: str, timeout_s: float = 60) -> None:
     """Until the restarted decode's retention service reports an engine id other than ``old``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def renewed() -> bool:
         try:
-            engine_id = _engine_id(engine)
+            return _engine_id(engine) != old
         except (httpx.HTTPError, ValueError):
-            engine_id = old  # the service is not listening yet
-        if engine_id != old:
-            return
-        assert time.monotonic() < deadline, f"{engine.name} still reports engine id {old} after its restart"
-        time.sleep(0.5)
+            return False  # the service is not listening yet
+
+    wait_until(
+        renewed,
+        timeout_s=timeout_s,
+        what=lambda: f"{engine.name} still reports engine id {old} after its restart",
+        every_s=0.5,
+    )
 
 
 def test_prefill_down_other_prefill_serves(

@@ -20,6 +20,7 @@ from ._helpers import (
     new_id,
     run_conversation,
     service_info,
+    wait_until,
 )
 
 
@@ -127,10 +128,12 @@ def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router
 def _no_leases_left(service_url: str) -> None:
     """Earlier tests' leases run out on their own meanwhile; wait for them so that the counts a test reads
     see only its own conversation (once, a lease ending between two reads made "retained" drop by 2)."""
-    deadline = time.monotonic() + 120  # test leases are 14 s; an SDK session may have extended one
-    while service_info(service_url)["retained"] > 0:
-        assert time.monotonic() < deadline, "leases of earlier tests did not run out"
-        time.sleep(0.5)
+    wait_until(
+        lambda: service_info(service_url)["retained"] == 0,
+        timeout_s=120,  # test leases are 14 s; an SDK session may have extended one
+        what=lambda: "leases of earlier tests did not run out",
+        every_s=0.5,
+    )
 
 
 def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
@@ -187,10 +190,12 @@ def test_final_turn_reuses_then_frees_decode_blocks_at_once(
     assert last.ids == chat(router_off.url, h).ids
     assert "x-agentkv-lease-expires-in" not in last.headers
     # P's read freed the first turn's blocks; the final turn's own are released, not held 14 s.
-    deadline = time.monotonic() + 5
-    while service_info(d.service_url)["retained"] > 0:
-        assert time.monotonic() < deadline, "decode still holds the final turn's blocks"
-        time.sleep(0.1)
+    wait_until(
+        lambda: service_info(d.service_url)["retained"] == 0,
+        timeout_s=5,
+        what=lambda: "decode still holds the final turn's blocks",
+        every_s=0.1,
+    )
     assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
 
 

@@ -7,7 +7,6 @@ trust in ``remote_num_tokens`` changes answers for histories that do not extend 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import httpx
@@ -32,6 +31,7 @@ from ._helpers import (
     conversation_script,
     new_id,
     rounding_difference,
+    wait_until,
 )
 
 # The router is told a fixed TTL (TTL_S) well below the one stock decode really applies (ENGINE_TTL_S), the
@@ -215,13 +215,13 @@ def test_fixed_ttl_reported_and_late_turn_recomputes(clusters: Clusters, stock_o
 def _wait_lease_expired(router: RouterProc, cid: str, *, timeout_s: float) -> None:
     """Until the router reports the conversation's (fixed TTL) lease expired. Its turns count a lease expired
     from a safety margin before the end it reports, so the next turn is then refused for it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        lease = httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()["lease"]
-        if lease["state"] == "expired":
-            return
-        assert time.monotonic() < deadline, lease
-        time.sleep(0.2)
+    seen: dict[str, object] = {}
+
+    def expired() -> bool:
+        seen.update(httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()["lease"])
+        return seen["state"] == "expired"
+
+    wait_until(expired, timeout_s=timeout_s, what=lambda: f"the lease did not expire: {seen}")
 
 
 def unrelated_history_on_a_reused_id(send: Callable[[list[dict[str, object]]], str], s: list[str]) -> None:
