@@ -44,9 +44,9 @@ def wait_until(
     done: Callable[[], bool], *, timeout_s: float, what: Callable[[], str], every_s: float = 0.2
 ) -> None:
     """Poll ``done`` until it holds; fail with ``what()`` once a poll that *began* after the deadline still
-    finds it false. A poll is judged by when it began: on a starved host one can return long after the
-    state it reports was read (the router once reported 7 s left on an 8 s lease 72 s into the wait), and
-    such a stale answer says nothing about the deadline."""
+    finds it false. A poll is judged by when it began: on a starved host its answer can arrive long after
+    the state it reports was read (a lease with seconds left, read just before the stall), and such a
+    stale answer says nothing about the deadline."""
     deadline = time.monotonic() + timeout_s
     while True:
         began = time.monotonic()
