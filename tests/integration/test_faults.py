@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -372,10 +374,14 @@ def _placed(router: RouterProc, cluster: Cluster, prefix: str, seed: int) -> tup
     return cid, h, engine
 
 
-def _stream_and_fault(router: RouterProc, cid: str, h: list[Any], fault: Callable[[], None]) -> list[str]:
-    """Stream a long answer of the conversation's next turn and call `fault` after its fifth event. The
-    turn is sticky to the conversation's decode, so that is the engine generating it. The stream must end,
-    with [DONE], within 60 s."""
+def _stream_then_kill(router: RouterProc, cid: str, h: list[Any], pgid: int) -> list[str] | None:
+    """Stream a long answer of the conversation's next turn (sticky to the decode whose process group is
+    `pgid`), stop that decode (SIGSTOP) at the answer's first event, and kill it (SIGKILL) once the stream
+    has gone quiet. Returns every event; the stream must end, with [DONE], within 60 s.
+
+    Returns None, with decode resumed (SIGCONT), when the answer was already complete when decode stopped:
+    on 2 busy cores the tiny model can stream its 3,000 tokens before this process reads the first event,
+    and killing a decode that has finished would not test a stream cut short."""
     body = {
         "model": "tiny",
         "messages": h,
@@ -383,44 +389,80 @@ def _stream_and_fault(router: RouterProc, cid: str, h: list[Any], fault: Callabl
         "temperature": 0,
         "stream": True,
         "ignore_eos": True,
-        # Twenty alternatives per token make every event costlier for decode to produce: the tiny model
-        # otherwise streams its 3,000 tokens in about a second, and a test process starved that long (2 busy
-        # cores) would read the fifth event after decode had sent them all, faulting a finished answer.
+        # Twenty alternatives per token make every event costlier for decode to produce, so the answer is
+        # usually still being generated when its first event arrives here.
         "logprobs": True,
         "top_logprobs": 20,
     }
-    events: list[str] = []
-    faulted = False
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                f"{router.url}/v1/chat/completions",
+                json=body,
+                headers={"x-session-id": cid},
+                timeout=60,
+            ) as r:
+                lines.put(f"status {r.status_code}")
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.put(line[6:])
+        except httpx.HTTPError as exc:
+            lines.put(f"client error: {exc!r}")
+        finally:
+            lines.put(None)
+
     t0 = time.monotonic()
-    with httpx.stream(
-        "POST",
-        f"{router.url}/v1/chat/completions",
-        json=body,
-        headers={"x-session-id": cid},
-        timeout=60,
-    ) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line[6:])
-            if len(events) == 5 and not faulted:
-                faulted = True
-                fault()
+    threading.Thread(target=read, daemon=True).start()
+    assert lines.get(timeout=60) == "status 200"
+    first = lines.get(timeout=60)
+    assert first is not None, "the stream ended without an event"
+    events = [first]
+    os.killpg(pgid, signal.SIGSTOP)
+    # What decode sent before it stopped still arrives; a stream that then ends was complete already.
+    while True:
+        try:
+            event = lines.get(timeout=3)
+        except queue.Empty:
+            break  # quiet: decode is stopped in the middle of the answer
+        if event is None:
+            os.killpg(pgid, signal.SIGCONT)
+            complete = events[-1] == "[DONE]" and not any(_is_error(e) for e in events[:-1])
+            assert complete, events[-3:]
+            return None
+        events.append(event)
+    os.killpg(pgid, signal.SIGKILL)
+    while (event := lines.get(timeout=60)) is not None:
+        events.append(event)
     assert time.monotonic() - t0 < 60
-    assert events[-1] == "[DONE]"
+    assert events[-1] == "[DONE]", events[-3:]
     return events
+
+
+def _is_error(event: str) -> bool:
+    try:
+        return "error" in json.loads(event)
+    except ValueError:
+        return True  # not an answer chunk: the reader's own failure
 
 
 def test_decode_killed_mid_stream_gets_an_sse_error_not_a_hang(
     cluster22: Cluster, replicas: list[RouterProc], off22: RouterProc
 ) -> None:
     b = replicas[1]
-    cid, h, engine = _placed(b, cluster22, "midstream", 590)
-    pid = engine.pid
-    assert pid
-    # A crash, not a shutdown (that is the next test). Had the turn run on the other decode, the stream
-    # would end normally and the error check would fail.
-    events = _stream_and_fault(b, cid, h, lambda: os.killpg(pid, signal.SIGKILL))
+    # A crash, not a shutdown (see the module's docstring). Had the turn run on another decode than the one
+    # killed, the stream would end normally and the error check would fail.
+    for attempt in range(3):
+        cid, h, engine = _placed(b, cluster22, f"midstream{attempt}", 590 + attempt)
+        assert engine.pid
+        events = _stream_then_kill(b, cid, h, engine.pid)
+        if events is not None:
+            break
+        _wait_healthy_decodes([*replicas, off22], 2)  # the stopped decode missed health checks
+    else:
+        pytest.fail("decode finished every answer before it could be stopped")
     assert json.loads(events[-2])["error"]["message"] == "decode engine connection lost", events[-2]
     # The conversation goes on (on the surviving decode) with a correct answer, then reuses again.
     h += [{"role": "user", "content": "again"}]
