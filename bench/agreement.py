@@ -5,8 +5,9 @@
     python -m bench.agreement --sides default --also-kv-config agentkv_decode_tail_tokens=2
                                               # the default mode with and without a connector setting
     python -m bench.agreement --sides default --prefill-first-token
-                                              # also a P/D recompute in which decode starts from the
-                                              # token prefill sampled (an experiment, not agentkv's hop)
+                                              # also P/D in which decode starts from the token prefill
+                                              # sampled: a recompute of every reuse turn, and a side of
+                                              # its own (experiments, not agentkv's hops)
     bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
@@ -19,7 +20,10 @@ reuse side produced), both sides answer each reuse turn twice:
   with reuse (the control: it must equal the recompute bit for bit), each against an exact no-reuse router
   (an independent recompute: decode reads nothing it cached);
 * one server with prefix caching: with the conversation's cache salt (its earlier turns' KV is reused) and
-  with a fresh salt (nothing is reused).
+  with a fresh salt (nothing is reused);
+* with ``--prefill-first-token``, P/D in which decode starts from the token prefill sampled (an experiment on
+  the engines' completions route, `_first_token_turn`): first turns P then D that way, later turns
+  decode-local, against that scheme's recompute.
 
 Reported per side: the share of reuse turns whose greedy token ids equal the recompute's, and the largest
 difference of the first token's logprob. A P/D recompute is not a single server's: decode computes the
@@ -44,6 +48,7 @@ from typing import Any
 import httpx
 
 from agentkv._wire import KV_KEY, decode_body, prefill_params, token_prefill
+from agentkv.server.router._backend import block_size_of
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 from bench._plugin_args import kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
@@ -51,6 +56,7 @@ from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
 NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
 _MAX_TOKENS = 24  # greedy output tokens per answer
+FIRST_TOKEN_SIDE = "P/D from P's token"
 
 
 def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
@@ -137,57 +143,151 @@ def run_side(
     return rows
 
 
+def _render_ids(prefill: str, model: str, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's token ids as prefill's chat template renders them, with the generation prompt."""
+    rendered = httpx.post(
+        f"{prefill}/tokenize",
+        json={"model": model, "messages": messages, "add_generation_prompt": True},
+        timeout=600,
+    )
+    rendered.raise_for_status()
+    ids: list[int] = rendered.json()["tokens"]
+    return ids
+
+
+def _ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def _answer(choice: dict[str, Any]) -> dict[str, Any]:
+    """A completions choice (logprobs 1, ids as tokens): its tokens and first logprob."""
+    logprobs = choice["logprobs"]
+    return {
+        "tokens": list(logprobs["tokens"]),
+        "first_logprob": (logprobs.get("token_logprobs") or [None])[0],
+    }
+
+
+def _block_size(url: str) -> int:
+    """The engine's KV block size, from vLLM's `/metrics`."""
+    size = block_size_of(httpx.get(f"{url}/metrics", timeout=10).text)
+    if size is None:
+        raise RuntimeError(f"{url}/metrics reports no block size")
+    return size
+
+
+def _first_token_turn(
+    prefill: str, decode: str, model: str, ids: list[int], salt: str, *, block_size: int
+) -> dict[str, Any] | None:
+    """One P/D turn in which decode starts from the token prefill sampled (as SGLang's P/D does) instead of
+    computing the prompt's last token again: prefill computes the whole prompt and samples token 1; decode is
+    given the prompt plus token 1, loads the prompt's KV (vLLM's decode loads all but its prompt's last
+    token, i.e. exactly what prefill computed) and computes token 1 in its first step, as one server
+    computes its first decode step. Completions with token ids, so no output parser needs to see token 1.
+    Both hops carry `salt`. None where a hop failed or prefill's answer ended at its second token.
+
+    A prompt of whole blocks needs one more step on prefill: decode allocates blocks for the prompt and
+    token 1, one more than such a prompt fills, and vLLM's NIXL worker pairs block lists by count (it
+    asserts that decode's is not the longer, and the engine dies). Prefill then also computes token 1 (two
+    output tokens, the second thrown away), so that its blocks cover as many tokens as decode's; decode
+    computes token 1's KV again in its first step either way."""
+    aligned = len(ids) % block_size == 0
+    ask = {"logprobs": 1, "return_tokens_as_token_ids": True}
+    path, body = token_prefill(
+        {"token_ids": ids, "cache_salt": salt}, model=model, kv_params=prefill_params(None), generate=False
+    )
+    first = httpx.post(
+        f"{prefill}{path}", json={**body, **ask, "max_tokens": 2 if aligned else 1}, timeout=600
+    )
+    if first.status_code != 200:
+        return None
+    answered = first.json()
+    choice = answered["choices"][0]
+    head = _answer(choice)
+    head["tokens"] = head["tokens"][:1]
+    if choice["finish_reason"] == "stop" and len(choice["logprobs"]["tokens"]) == 1:
+        return head  # token 1 ended the answer (EOS or a stop token)
+    if not answered.get(KV_KEY):
+        return None  # prefill stopped at its second token and handed no blocks on
+    rest_body = {
+        "model": model,
+        "prompt": [*ids, *_ids(head["tokens"])],
+        "max_tokens": _MAX_TOKENS - 1,
+        "temperature": 0,
+        **ask,
+    }
+    rest = httpx.post(
+        f"{decode}/v1/completions",
+        json=decode_body(rest_body, answered[KV_KEY], cache_salt=salt),
+        timeout=600,
+    )
+    if rest.status_code != 200:
+        return None
+    return {**head, "tokens": head["tokens"] + _answer(rest.json()["choices"][0])["tokens"]}
+
+
 def _from_prefill_first_token(prefill: str, decode: str, model: str) -> Callable[..., list[str] | None]:
-    """``answer(messages)``: a P/D recompute in which decode starts from the token prefill sampled (as
-    SGLang's P/D does) instead of computing the prompt's last token again: prefill computes the whole prompt
-    and samples token 1; decode is given the prompt plus token 1, loads the prompt's KV (vLLM's decode loads
-    all but its prompt's last token, i.e. exactly what prefill computed) and computes token 1 in its first
-    step, as one server computes its first decode step. Completions with token ids, so no output parser
-    needs to see token 1; None where a hop failed."""
+    """``answer(messages)``: the token ids of a P/D recompute in which decode starts from prefill's token
+    (`_first_token_turn`), None where a hop failed. A fresh salt: decode's prefix cache holds this history
+    from a reuse side, and a recompute must load every prompt token from prefill, never KV decode cached (as
+    the exact router's decode hop)."""
+    block_size = _block_size(prefill)
 
     def answer(messages: list[dict[str, str]]) -> list[str] | None:
-        rendered = httpx.post(
-            f"{prefill}/tokenize",
-            json={"model": model, "messages": messages, "add_generation_prompt": True},
-            timeout=600,
-        )
-        rendered.raise_for_status()
-        ids = rendered.json()["tokens"]
-        # A fresh salt: decode's prefix cache holds this history from the reuse side, and a recompute must
-        # load every prompt token from prefill, never KV decode cached (as the exact router's decode hop).
-        salt = uuid.uuid4().hex
-        ask = {"logprobs": 1, "return_tokens_as_token_ids": True}
-        path, body = token_prefill(
-            {"token_ids": ids, "cache_salt": salt},
-            model=model,
-            kv_params=prefill_params(None),
-            generate=False,
-        )
-        first = httpx.post(f"{prefill}{path}", json={**body, **ask}, timeout=600)
-        if first.status_code != 200:
-            return None
-        answered = first.json()
-        choice = answered["choices"][0]
-        tokens: list[str] = choice["logprobs"]["tokens"]
-        if choice["finish_reason"] == "stop":  # token 1 ended the answer (EOS or a stop token)
-            return tokens
-        rest_body = {
-            "model": model,
-            "prompt": [*ids, int(tokens[0].removeprefix("token_id:"))],
-            "max_tokens": _MAX_TOKENS - 1,
-            "temperature": 0,
-            **ask,
-        }
-        rest = httpx.post(
-            f"{decode}/v1/completions",
-            json=decode_body(rest_body, answered[KV_KEY], cache_salt=salt),
-            timeout=600,
-        )
-        if rest.status_code != 200:
-            return None
-        return tokens + rest.json()["choices"][0]["logprobs"]["tokens"]
+        ids = _render_ids(prefill, model, messages)
+        turn = _first_token_turn(prefill, decode, model, ids, uuid.uuid4().hex, block_size=block_size)
+        return None if turn is None else turn["tokens"]
 
     return answer
+
+
+def _first_token_side(prefill: str, decode: str, model: str) -> tuple[Send, Send]:
+    """``(reuse, recompute)`` for a side that runs P/D as a router would if decode started from prefill's
+    token: a conversation's first turn through P then D that way, its later turns decode-local (decode
+    computes what its prefix cache, salted per conversation, lacks, and samples token 1 itself, as one
+    server's prefix-cache turn does); the recompute is the same P/D turn under a fresh salt. So the side's
+    agreement with its own recompute is issue 15's standard for that scheme. Not agentkv's hops: the engines'
+    completions route, no router. An answer's text (the next turn's history) is its ids detokenized."""
+    started: set[str] = set()
+    block_size = _block_size(prefill)
+
+    def text(tokens: list[str]) -> str:
+        r = httpx.post(f"{prefill}/detokenize", json={"model": model, "tokens": _ids(tokens)}, timeout=600)
+        r.raise_for_status()
+        return str(r.json()["prompt"])
+
+    def turn(ids: list[int], salt: str) -> dict[str, Any]:
+        answer = _first_token_turn(prefill, decode, model, ids, salt, block_size=block_size)
+        if answer is None:
+            raise RuntimeError("a P/D hop of the prefill-first-token side failed")
+        return {**answer, "text": text(answer["tokens"]), "reuse": "miss", "cached_tokens": None}
+
+    def reuse(messages: list[dict[str, str]], key: str) -> dict[str, Any]:
+        ids = _render_ids(prefill, model, messages)
+        if key not in started:
+            started.add(key)
+            return turn(ids, key)
+        body = {
+            "model": model,
+            "prompt": ids,
+            "max_tokens": _MAX_TOKENS,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": True,
+            "cache_salt": key,
+        }
+        r = httpx.post(f"{decode}/v1/completions", json=body, timeout=600)
+        r.raise_for_status()
+        data = r.json()
+        answer = _answer(data["choices"][0])
+        details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return {**answer, "text": text(answer["tokens"]), "reuse": "local", "cached_tokens": cached}
+
+    def recompute(messages: list[dict[str, str]]) -> dict[str, Any]:
+        return turn(_render_ids(prefill, model, messages), uuid.uuid4().hex)
+
+    return reuse, recompute
 
 
 def _serving(args: argparse.Namespace) -> dict[str, Any]:
@@ -255,6 +355,18 @@ def _pd_side(
                     for row in rows:
                         row["first_token_recompute_tokens"] = answer(row["history"])
                         progress.advance(task)
+                reuse, again = _first_token_side(urls["prefill_url"], urls["decode_url"], model)
+                try:
+                    run_side("warm-up", range(1), reuse=reuse, recompute=again, wordlevel=args.wordlevel)
+                    rows += run_side(
+                        FIRST_TOKEN_SIDE + label,
+                        seeds,
+                        reuse=reuse,
+                        recompute=again,
+                        wordlevel=args.wordlevel,
+                    )
+                except (RuntimeError, httpx.HTTPError) as exc:  # keep the other sides' turns
+                    print(f"the {FIRST_TOKEN_SIDE} side stopped: {exc}")
             return rows
     finally:
         cluster.down()
@@ -425,8 +537,9 @@ def main(argv: list[str] | None = None) -> None:
         "--prefill-first-token",
         action="store_true",
         help="also recompute every P/D reuse turn's history with decode starting from prefill's sampled "
-        "first token (not agentkv's hop: an experiment on the engines' completions route), against the "
-        "common reference",
+        "first token, against the common reference, and run a side of its own in that scheme (first turns "
+        "P then D so, later turns decode-local) against its recompute: not agentkv's hops, an experiment on "
+        "the engines' completions route",
     )
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model

@@ -9,7 +9,7 @@ import pytest
 import respx
 
 from bench._plugin_args import kv_config_item
-from bench.agreement import _against_single, _from_prefill_first_token, fisher_p
+from bench.agreement import _against_single, _first_token_side, _from_prefill_first_token, fisher_p
 
 
 def test_fisher_p_on_textbook_tables() -> None:
@@ -49,8 +49,13 @@ def _completion(tokens: list[str], finish: str, kv: dict[str, object] | None = N
     return {"choices": [choice], "kv_transfer_params": kv}
 
 
+def _block_size(size: int = 16) -> None:
+    respx.get("http://p/metrics").respond(text=f'vllm:cache_config_info{{block_size="{size}"}} 1.0\n')
+
+
 @respx.mock
 def test_decode_starts_from_the_token_prefill_sampled() -> None:
+    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
     prefill = respx.post("http://p/v1/completions").respond(
         json=_completion(["token_id:42"], "length", {"remote_block_ids": [3]})
@@ -74,6 +79,7 @@ def test_decode_starts_from_the_token_prefill_sampled() -> None:
 
 @respx.mock
 def test_an_answer_that_ends_at_prefills_token_has_no_decode_hop() -> None:
+    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5]})
     respx.post("http://p/v1/completions").respond(json=_completion(["token_id:0"], "stop"))
     decode = respx.post("http://d/v1/completions")
@@ -83,7 +89,111 @@ def test_an_answer_that_ends_at_prefills_token_has_no_decode_hop() -> None:
 
 @respx.mock
 def test_a_failed_hop_is_none_not_an_answer() -> None:
+    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5]})
     respx.post("http://p/v1/completions").respond(json=_completion(["token_id:1"], "length", {}))
     respx.post("http://d/v1/completions").respond(status_code=500)
     assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
+
+
+@respx.mock
+def test_the_first_token_side_starts_on_p_then_stays_on_decode() -> None:
+    """A conversation's first turn runs P then D from prefill's token under the conversation's salt; its next
+    turn goes to decode alone under that salt (decode-local); the recompute is P then D under a fresh salt."""
+    _block_size()
+    respx.post("http://p/detokenize").respond(json={"prompt": "text"})
+    respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
+    prefill = respx.post("http://p/v1/completions").respond(
+        json={
+            "choices": [
+                {
+                    "text": "A",
+                    "finish_reason": "length",
+                    "logprobs": {"tokens": ["token_id:42"], "token_logprobs": [-0.5]},
+                }
+            ],
+            "kv_transfer_params": {"remote_block_ids": [3]},
+        }
+    )
+    decode = respx.post("http://d/v1/completions").respond(
+        json={
+            "choices": [
+                {
+                    "text": "B",
+                    "finish_reason": "length",
+                    "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1]},
+                }
+            ],
+            "usage": {"prompt_tokens_details": {"cached_tokens": 2}},
+        }
+    )
+    reuse, recompute = _first_token_side("http://p", "http://d", "m")
+    first = reuse([], "conv")
+    assert (first["text"], first["tokens"], first["first_logprob"], first["reuse"]) == (
+        "text",
+        ["token_id:42", "token_id:8"],
+        -0.5,
+        "miss",
+    )
+    assert json.loads(prefill.calls.last.request.content)["cache_salt"] == "conv"
+    d = json.loads(decode.calls.last.request.content)
+    assert (d["prompt"], d["cache_salt"], d["kv_transfer_params"]) == (
+        [5, 6, 7, 42],
+        "conv",
+        {"remote_block_ids": [3]},
+    )
+
+    calls = prefill.call_count
+    second = reuse([], "conv")
+    assert prefill.call_count == calls  # decode-local: prefill computes nothing
+    d = json.loads(decode.calls.last.request.content)
+    assert (d["prompt"], d["max_tokens"], d["cache_salt"]) == ([5, 6, 7], 24, "conv")
+    assert "kv_transfer_params" not in d
+    assert (second["tokens"], second["first_logprob"], second["reuse"], second["cached_tokens"]) == (
+        ["token_id:8"],
+        -0.1,
+        "local",
+        2,
+    )
+
+    again = recompute([])
+    salt = json.loads(prefill.calls.last.request.content)["cache_salt"]
+    assert salt not in ("conv", None) and json.loads(decode.calls.last.request.content)["cache_salt"] == salt
+    assert again["tokens"] == ["token_id:42", "token_id:8"]
+
+
+@respx.mock
+def test_a_failed_hop_of_the_first_token_side_is_an_error() -> None:
+    _block_size()
+    respx.post("http://p/tokenize").respond(json={"tokens": [5]})
+    respx.post("http://p/v1/completions").respond(status_code=500)
+    reuse, _ = _first_token_side("http://p", "http://d", "m")
+    with pytest.raises(RuntimeError, match="failed"):
+        reuse([], "conv")
+
+
+@respx.mock
+def test_a_prompt_of_whole_blocks_has_prefill_compute_token_one_too() -> None:
+    """Decode allocates blocks for the prompt and token 1; for a prompt of whole blocks that is one more than
+    the prompt fills, and vLLM's NIXL worker asserts that decode's list is not the longer: prefill then
+    writes two tokens (its blocks cover token 1), and decode still gets the prompt plus token 1 only."""
+    _block_size(4)
+    respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7, 8]})
+    prefill = respx.post("http://p/v1/completions").respond(
+        json=_completion(["token_id:42", "token_id:43"], "length", {"remote_block_ids": [3, 4]})
+    )
+    decode = respx.post("http://d/v1/completions").respond(json=_completion(["token_id:9"], "length"))
+    assert _from_prefill_first_token("http://p", "http://d", "m")([]) == ["token_id:42", "token_id:9"]
+    assert json.loads(prefill.calls.last.request.content)["max_tokens"] == 2
+    d = json.loads(decode.calls.last.request.content)
+    assert (d["prompt"], d["max_tokens"]) == ([5, 6, 7, 8, 42], 23)
+
+
+@respx.mock
+def test_prefill_stopping_at_its_second_token_leaves_no_blocks_for_decode() -> None:
+    _block_size(4)
+    respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7, 8]})
+    respx.post("http://p/v1/completions").respond(json=_completion(["token_id:42", "token_id:0"], "stop"))
+    decode = respx.post("http://d/v1/completions")
+    assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
+    assert not decode.called
