@@ -44,9 +44,19 @@ def test_connector_keys_from_the_command_line() -> None:
         kv_config_item("agentkv_decode_tail_tokens")
 
 
-def _completion(tokens: list[str], finish: str, kv: dict[str, object] | None = None) -> dict[str, object]:
-    choice = {"logprobs": {"tokens": tokens}, "finish_reason": finish}
-    return {"choices": [choice], "kv_transfer_params": kv}
+def _completion(
+    tokens: list[str],
+    finish: str,
+    kv: dict[str, object] | None = None,
+    *,
+    logprobs: list[float] | None = None,
+) -> dict[str, object]:
+    choice = {"logprobs": {"tokens": tokens, "token_logprobs": logprobs}, "finish_reason": finish}
+    return {
+        "choices": [choice],
+        "kv_transfer_params": kv,
+        "usage": {"prompt_tokens_details": {"cached_tokens": 2}},
+    }
 
 
 def _block_size(size: int = 16) -> None:
@@ -104,28 +114,10 @@ def test_the_first_token_side_starts_on_p_then_stays_on_decode() -> None:
     respx.post("http://p/detokenize").respond(json={"prompt": "text"})
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
     prefill = respx.post("http://p/v1/completions").respond(
-        json={
-            "choices": [
-                {
-                    "text": "A",
-                    "finish_reason": "length",
-                    "logprobs": {"tokens": ["token_id:42"], "token_logprobs": [-0.5]},
-                }
-            ],
-            "kv_transfer_params": {"remote_block_ids": [3]},
-        }
+        json=_completion(["token_id:42"], "length", {"remote_block_ids": [3]}, logprobs=[-0.5])
     )
     decode = respx.post("http://d/v1/completions").respond(
-        json={
-            "choices": [
-                {
-                    "text": "B",
-                    "finish_reason": "length",
-                    "logprobs": {"tokens": ["token_id:8"], "token_logprobs": [-0.1]},
-                }
-            ],
-            "usage": {"prompt_tokens_details": {"cached_tokens": 2}},
-        }
+        json=_completion(["token_id:8"], "length", logprobs=[-0.1])
     )
     reuse, recompute = _first_token_side("http://p", "http://d", "m")
     first = reuse([], "conv")
