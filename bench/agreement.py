@@ -59,6 +59,10 @@ _MAX_TOKENS = 24  # greedy output tokens per answer
 FIRST_TOKEN_SIDE = "P/D from P's token"
 
 
+class TurnFailed(RuntimeError):
+    """A side's turn got no answer (a hop of an experimental side failed)."""
+
+
 def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
     n = rng.randint(lo, hi)
     if wordlevel:  # the GPU recipe's tokenizer knows only w<N> words: English would be all <unk>
@@ -104,42 +108,55 @@ def run_side(
     side: str, seeds: range, *, reuse: Send, recompute: Send, wordlevel: bool
 ) -> list[dict[str, Any]]:
     """The conversations of one side: ``reuse(messages, key)`` drives them, ``recompute(messages)`` answers
-    each reuse turn again from nothing."""
-    rows = []
+    each reuse turn again from nothing. A conversation whose turn raises `TurnFailed` is left out whole (and
+    said so): its later turns would build on an answer nobody gave."""
+    rows: list[dict[str, Any]] = []
     with make_progress() as progress:
         task = progress.add_task(side, total=len(seeds))
         for seed in seeds:
-            rng = random.Random(seed)
-            key = f"agree-{uuid.uuid4().hex[:12]}"
-            history = [
-                {
-                    "role": "user",
-                    "content": uuid.uuid4().hex + " " + _text(rng, 150, 300, wordlevel=wordlevel),
-                }
-            ]
-            answer = reuse(history, key)["text"]
-            for turn in (2, 3):
-                history += [
-                    {"role": "assistant", "content": answer},
-                    {"role": "user", "content": _text(rng, 40, 120, wordlevel=wordlevel)},
-                ]
-                on, off = reuse(history, key), recompute(history)
-                answer = on["text"]
-                rows.append(
-                    {
-                        "side": side,
-                        "seed": seed,
-                        "turn": turn,
-                        "reuse": on["reuse"],
-                        "cached_tokens": on["cached_tokens"],
-                        "same_tokens": on["tokens"] == off["tokens"],
-                        "first_logprob_diff": abs(on["first_logprob"] - off["first_logprob"]),
-                        "tokens": on["tokens"],
-                        "recompute_tokens": off["tokens"],
-                        "history": list(history),
-                    }
-                )
+            try:
+                rows += _conversation(side, seed, reuse=reuse, recompute=recompute, wordlevel=wordlevel)
+            except TurnFailed as exc:
+                progress.console.print(f"{side}: conversation {seed} left out: {exc}")
             progress.advance(task)
+    return rows
+
+
+def _conversation(
+    side: str, seed: int, *, reuse: Send, recompute: Send, wordlevel: bool
+) -> list[dict[str, Any]]:
+    """One seeded conversation of a side: a first message, then two follow-ups on the history it produced."""
+    rows = []
+    rng = random.Random(seed)
+    key = f"agree-{uuid.uuid4().hex[:12]}"
+    history = [
+        {
+            "role": "user",
+            "content": uuid.uuid4().hex + " " + _text(rng, 150, 300, wordlevel=wordlevel),
+        }
+    ]
+    answer = reuse(history, key)["text"]
+    for turn in (2, 3):
+        history += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": _text(rng, 40, 120, wordlevel=wordlevel)},
+        ]
+        on, off = reuse(history, key), recompute(history)
+        answer = on["text"]
+        rows.append(
+            {
+                "side": side,
+                "seed": seed,
+                "turn": turn,
+                "reuse": on["reuse"],
+                "cached_tokens": on["cached_tokens"],
+                "same_tokens": on["tokens"] == off["tokens"],
+                "first_logprob_diff": abs(on["first_logprob"] - off["first_logprob"]),
+                "tokens": on["tokens"],
+                "recompute_tokens": off["tokens"],
+                "history": list(history),
+            }
+        )
     return rows
 
 
@@ -259,7 +276,7 @@ def _first_token_side(prefill: str, decode: str, model: str) -> tuple[Send, Send
     def turn(ids: list[int], salt: str) -> dict[str, Any]:
         answer = _first_token_turn(prefill, decode, model, ids, salt, block_size=block_size)
         if answer is None:
-            raise RuntimeError("a P/D hop of the prefill-first-token side failed")
+            raise TurnFailed("a P/D hop of the prefill-first-token side failed")
         return {**answer, "text": text(answer["tokens"]), "reuse": "miss", "cached_tokens": None}
 
     def reuse(messages: list[dict[str, str]], key: str) -> dict[str, Any]:
@@ -365,7 +382,7 @@ def _pd_side(
                         recompute=again,
                         wordlevel=args.wordlevel,
                     )
-                except (RuntimeError, httpx.HTTPError) as exc:  # keep the other sides' turns
+                except httpx.HTTPError as exc:  # an engine down: keep the other sides' turns
                     print(f"the {FIRST_TOKEN_SIDE} side stopped: {exc}")
             return rows
     finally:

@@ -9,7 +9,14 @@ import pytest
 import respx
 
 from bench._plugin_args import kv_config_item
-from bench.agreement import _against_single, _first_token_side, _from_prefill_first_token, fisher_p
+from bench.agreement import (
+    TurnFailed,
+    _against_single,
+    _first_token_side,
+    _from_prefill_first_token,
+    fisher_p,
+    run_side,
+)
 
 
 def test_fisher_p_on_textbook_tables() -> None:
@@ -189,3 +196,29 @@ def test_prefill_stopping_at_its_second_token_leaves_no_blocks_for_decode() -> N
     decode = respx.post("http://d/v1/completions")
     assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
     assert not decode.called
+
+
+def test_a_conversation_with_a_failed_turn_is_left_out_whole() -> None:
+    """The second conversation's third turn fails: its second turn is dropped too (its history leads
+    nowhere), the other conversations stay."""
+    keys: list[str] = []
+
+    def reuse(messages: list[dict[str, str]], key: str) -> dict[str, object]:
+        if key not in keys:
+            keys.append(key)
+        if keys.index(key) == 1 and len(messages) == 5:  # the second conversation's third turn
+            raise TurnFailed("no answer")
+        return {
+            "text": "a",
+            "tokens": ["token_id:1"],
+            "first_logprob": -1.0,
+            "reuse": "local",
+            "cached_tokens": 1,
+        }
+
+    def recompute(messages: list[dict[str, str]]) -> dict[str, object]:
+        return {"tokens": ["token_id:1"], "first_logprob": -1.0}
+
+    rows = run_side("s", range(10, 13), reuse=reuse, recompute=recompute, wordlevel=False)
+    assert sorted((r["seed"], r["turn"]) for r in rows) == [(10, 2), (10, 3), (12, 2), (12, 3)]
+    assert len(keys) == 3
