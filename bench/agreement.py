@@ -56,6 +56,8 @@ from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
 NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
 _MAX_TOKENS = 24  # greedy output tokens per answer
+# What the completions-route experiments ask for: the first logprob and the tokens as their ids.
+_IDS_AND_LOGPROBS = {"logprobs": 1, "return_tokens_as_token_ids": True}
 FIRST_TOKEN_SIDE = "P/D from P's token"
 
 
@@ -209,12 +211,11 @@ def _first_token_turn(
     output tokens, the second thrown away), so that its blocks cover as many tokens as decode's; decode
     computes token 1's KV again in its first step either way."""
     aligned = len(ids) % block_size == 0
-    ask = {"logprobs": 1, "return_tokens_as_token_ids": True}
     path, body = token_prefill(
         {"token_ids": ids, "cache_salt": salt}, model=model, kv_params=prefill_params(None), generate=False
     )
     first = httpx.post(
-        f"{prefill}{path}", json={**body, **ask, "max_tokens": 2 if aligned else 1}, timeout=600
+        f"{prefill}{path}", json={**body, **_IDS_AND_LOGPROBS, "max_tokens": 2 if aligned else 1}, timeout=600
     )
     if first.status_code != 200:
         return None
@@ -231,7 +232,7 @@ def _first_token_turn(
         "prompt": [*ids, *_ids(head["tokens"])],
         "max_tokens": _MAX_TOKENS - 1,
         "temperature": 0,
-        **ask,
+        **_IDS_AND_LOGPROBS,
     }
     rest = httpx.post(
         f"{decode}/v1/completions",
@@ -243,55 +244,54 @@ def _first_token_turn(
     return {**head, "tokens": head["tokens"] + _answer(rest.json()["choices"][0])["tokens"]}
 
 
-def _from_prefill_first_token(prefill: str, decode: str, model: str) -> Callable[..., list[str] | None]:
-    """``answer(messages)``: the token ids of a P/D recompute in which decode starts from prefill's token
-    (`_first_token_turn`), None where a hop failed. A fresh salt: decode's prefix cache holds this history
-    from a reuse side, and a recompute must load every prompt token from prefill, never KV decode cached (as
-    the exact router's decode hop)."""
-    block_size = _block_size(prefill)
+def _from_prefill_first_token(
+    prefill: str, decode: str, model: str, *, block_size: int
+) -> Callable[[list[dict[str, str]]], dict[str, Any] | None]:
+    """``answer(messages)``: a P/D recompute in which decode starts from prefill's token
+    (`_first_token_turn`): its tokens and first logprob, None where a hop failed. A fresh salt: decode's
+    prefix cache holds this history from a reuse side, and a recompute must load every prompt token from
+    prefill, never KV decode cached (as the exact router's decode hop)."""
 
-    def answer(messages: list[dict[str, str]]) -> list[str] | None:
+    def answer(messages: list[dict[str, str]]) -> dict[str, Any] | None:
         ids = _render_ids(prefill, model, messages)
-        turn = _first_token_turn(prefill, decode, model, ids, uuid.uuid4().hex, block_size=block_size)
-        return None if turn is None else turn["tokens"]
+        return _first_token_turn(prefill, decode, model, ids, uuid.uuid4().hex, block_size=block_size)
 
     return answer
 
 
-def _first_token_side(prefill: str, decode: str, model: str) -> tuple[Send, Send]:
+def _first_token_side(prefill: str, decode: str, model: str, *, block_size: int) -> tuple[Send, Send]:
     """``(reuse, recompute)`` for a side that runs P/D as a router would if decode started from prefill's
     token: a conversation's first turn through P then D that way, its later turns decode-local (decode
     computes what its prefix cache, salted per conversation, lacks, and samples token 1 itself, as one
-    server's prefix-cache turn does); the recompute is the same P/D turn under a fresh salt. So the side's
+    server's prefix-cache turn does); the recompute is `_from_prefill_first_token`'s. So the side's
     agreement with its own recompute is issue 15's standard for that scheme. Not agentkv's hops: the engines'
     completions route, no router. An answer's text (the next turn's history) is its ids detokenized."""
     started: set[str] = set()
-    block_size = _block_size(prefill)
+    recompute_once = _from_prefill_first_token(prefill, decode, model, block_size=block_size)
+
+    def answered(answer: dict[str, Any] | None) -> dict[str, Any]:
+        if answer is None:
+            raise TurnFailed("a P/D hop of the prefill-first-token side failed")
+        return answer
 
     def text(tokens: list[str]) -> str:
         r = httpx.post(f"{prefill}/detokenize", json={"model": model, "tokens": _ids(tokens)}, timeout=600)
         r.raise_for_status()
         return str(r.json()["prompt"])
 
-    def turn(ids: list[int], salt: str) -> dict[str, Any]:
-        answer = _first_token_turn(prefill, decode, model, ids, salt, block_size=block_size)
-        if answer is None:
-            raise TurnFailed("a P/D hop of the prefill-first-token side failed")
-        return {**answer, "text": text(answer["tokens"]), "reuse": "miss", "cached_tokens": None}
-
     def reuse(messages: list[dict[str, str]], key: str) -> dict[str, Any]:
         ids = _render_ids(prefill, model, messages)
         if key not in started:
             started.add(key)
-            return turn(ids, key)
+            answer = answered(_first_token_turn(prefill, decode, model, ids, key, block_size=block_size))
+            return {**answer, "text": text(answer["tokens"]), "reuse": "miss", "cached_tokens": None}
         body = {
             "model": model,
             "prompt": ids,
             "max_tokens": _MAX_TOKENS,
             "temperature": 0,
-            "logprobs": 1,
-            "return_tokens_as_token_ids": True,
             "cache_salt": key,
+            **_IDS_AND_LOGPROBS,
         }
         r = httpx.post(f"{decode}/v1/completions", json=body, timeout=600)
         r.raise_for_status()
@@ -302,7 +302,7 @@ def _first_token_side(prefill: str, decode: str, model: str) -> tuple[Send, Send
         return {**answer, "text": text(answer["tokens"]), "reuse": "local", "cached_tokens": cached}
 
     def recompute(messages: list[dict[str, str]]) -> dict[str, Any]:
-        return turn(_render_ids(prefill, model, messages), uuid.uuid4().hex)
+        return answered(recompute_once(messages))
 
     return reuse, recompute
 
@@ -366,13 +366,16 @@ def _pd_side(
                 run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
                 rows += run_side(side + label, seeds, reuse=send, recompute=recompute, wordlevel=words)
             if args.prefill_first_token:
-                answer = _from_prefill_first_token(urls["prefill_url"], urls["decode_url"], model)
+                p_url, d_url = urls["prefill_url"], urls["decode_url"]
+                block_size = _block_size(p_url)
+                answer = _from_prefill_first_token(p_url, d_url, model, block_size=block_size)
                 with make_progress() as progress:
                     task = progress.add_task("from P's first token", total=len(rows))
                     for row in rows:
-                        row["first_token_recompute_tokens"] = answer(row["history"])
+                        turn = answer(row["history"])
+                        row["first_token_recompute_tokens"] = None if turn is None else turn["tokens"]
                         progress.advance(task)
-                reuse, again = _first_token_side(urls["prefill_url"], urls["decode_url"], model)
+                reuse, again = _first_token_side(p_url, d_url, model, block_size=block_size)
                 try:
                     run_side("warm-up", range(1), reuse=reuse, recompute=again, wordlevel=args.wordlevel)
                     rows += run_side(

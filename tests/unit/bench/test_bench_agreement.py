@@ -12,6 +12,7 @@ from bench._plugin_args import kv_config_item
 from bench.agreement import (
     TurnFailed,
     _against_single,
+    _block_size,
     _first_token_side,
     _from_prefill_first_token,
     fisher_p,
@@ -66,13 +67,23 @@ def _completion(
     }
 
 
-def _block_size(size: int = 16) -> None:
-    respx.get("http://p/metrics").respond(text=f'vllm:cache_config_info{{block_size="{size}"}} 1.0\n')
+def _recompute_tokens(messages: list[dict[str, str]], *, block_size: int = 16) -> list[str] | None:
+    """The first-token recompute's token ids (None where a hop failed), on the fake engines p and d."""
+    answer = _from_prefill_first_token("http://p", "http://d", "m", block_size=block_size)(messages)
+    return None if answer is None else answer["tokens"]
+
+
+@respx.mock
+def test_the_block_size_is_read_from_vllms_metrics() -> None:
+    respx.get("http://p/metrics").respond(text='vllm:cache_config_info{block_size="16"} 1.0\n')
+    assert _block_size("http://p") == 16
+    respx.get("http://q/metrics").respond(text="vllm:num_requests_running 0.0\n")
+    with pytest.raises(RuntimeError, match="no block size"):
+        _block_size("http://q")
 
 
 @respx.mock
 def test_decode_starts_from_the_token_prefill_sampled() -> None:
-    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
     prefill = respx.post("http://p/v1/completions").respond(
         json=_completion(["token_id:42"], "length", {"remote_block_ids": [3]})
@@ -80,8 +91,11 @@ def test_decode_starts_from_the_token_prefill_sampled() -> None:
     decode = respx.post("http://d/v1/completions").respond(
         json=_completion(["token_id:8", "token_id:9"], "length")
     )
-    answer = _from_prefill_first_token("http://p", "http://d", "m")
-    assert answer([{"role": "user", "content": "hi"}]) == ["token_id:42", "token_id:8", "token_id:9"]
+    assert _recompute_tokens([{"role": "user", "content": "hi"}]) == [
+        "token_id:42",
+        "token_id:8",
+        "token_id:9",
+    ]
     p, d = json.loads(prefill.calls.last.request.content), json.loads(decode.calls.last.request.content)
     assert (p["prompt"], p["max_tokens"], p["kv_transfer_params"]["do_remote_decode"]) == ([5, 6, 7], 1, True)
     # Decode gets the prompt plus prefill's token, prefill's params as they came, one token fewer to write.
@@ -96,28 +110,25 @@ def test_decode_starts_from_the_token_prefill_sampled() -> None:
 
 @respx.mock
 def test_an_answer_that_ends_at_prefills_token_has_no_decode_hop() -> None:
-    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5]})
     respx.post("http://p/v1/completions").respond(json=_completion(["token_id:0"], "stop"))
     decode = respx.post("http://d/v1/completions")
-    assert _from_prefill_first_token("http://p", "http://d", "m")([]) == ["token_id:0"]
+    assert _recompute_tokens([]) == ["token_id:0"]
     assert not decode.called
 
 
 @respx.mock
 def test_a_failed_hop_is_none_not_an_answer() -> None:
-    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5]})
     respx.post("http://p/v1/completions").respond(json=_completion(["token_id:1"], "length", {}))
     respx.post("http://d/v1/completions").respond(status_code=500)
-    assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
+    assert _recompute_tokens([]) is None
 
 
 @respx.mock
 def test_the_first_token_side_starts_on_p_then_stays_on_decode() -> None:
     """A conversation's first turn runs P then D from prefill's token under the conversation's salt; its next
     turn goes to decode alone under that salt (decode-local); the recompute is P then D under a fresh salt."""
-    _block_size()
     respx.post("http://p/detokenize").respond(json={"prompt": "text"})
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7]})
     prefill = respx.post("http://p/v1/completions").respond(
@@ -126,7 +137,7 @@ def test_the_first_token_side_starts_on_p_then_stays_on_decode() -> None:
     decode = respx.post("http://d/v1/completions").respond(
         json=_completion(["token_id:8"], "length", logprobs=[-0.1])
     )
-    reuse, recompute = _first_token_side("http://p", "http://d", "m")
+    reuse, recompute = _first_token_side("http://p", "http://d", "m", block_size=16)
     first = reuse([], "conv")
     assert (first["text"], first["tokens"], first["first_logprob"], first["reuse"]) == (
         "text",
@@ -163,10 +174,9 @@ def test_the_first_token_side_starts_on_p_then_stays_on_decode() -> None:
 
 @respx.mock
 def test_a_failed_hop_of_the_first_token_side_is_an_error() -> None:
-    _block_size()
     respx.post("http://p/tokenize").respond(json={"tokens": [5]})
     respx.post("http://p/v1/completions").respond(status_code=500)
-    reuse, _ = _first_token_side("http://p", "http://d", "m")
+    reuse, _ = _first_token_side("http://p", "http://d", "m", block_size=16)
     with pytest.raises(RuntimeError, match="failed"):
         reuse([], "conv")
 
@@ -176,13 +186,12 @@ def test_a_prompt_of_whole_blocks_has_prefill_compute_token_one_too() -> None:
     """Decode allocates blocks for the prompt and token 1; for a prompt of whole blocks that is one more than
     the prompt fills, and vLLM's NIXL worker asserts that decode's list is not the longer: prefill then
     writes two tokens (its blocks cover token 1), and decode still gets the prompt plus token 1 only."""
-    _block_size(4)
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7, 8]})
     prefill = respx.post("http://p/v1/completions").respond(
         json=_completion(["token_id:42", "token_id:43"], "length", {"remote_block_ids": [3, 4]})
     )
     decode = respx.post("http://d/v1/completions").respond(json=_completion(["token_id:9"], "length"))
-    assert _from_prefill_first_token("http://p", "http://d", "m")([]) == ["token_id:42", "token_id:9"]
+    assert _recompute_tokens([], block_size=4) == ["token_id:42", "token_id:9"]
     assert json.loads(prefill.calls.last.request.content)["max_tokens"] == 2
     d = json.loads(decode.calls.last.request.content)
     assert (d["prompt"], d["max_tokens"]) == ([5, 6, 7, 8, 42], 23)
@@ -190,11 +199,10 @@ def test_a_prompt_of_whole_blocks_has_prefill_compute_token_one_too() -> None:
 
 @respx.mock
 def test_prefill_stopping_at_its_second_token_leaves_no_blocks_for_decode() -> None:
-    _block_size(4)
     respx.post("http://p/tokenize").respond(json={"tokens": [5, 6, 7, 8]})
     respx.post("http://p/v1/completions").respond(json=_completion(["token_id:42", "token_id:0"], "stop"))
     decode = respx.post("http://d/v1/completions")
-    assert _from_prefill_first_token("http://p", "http://d", "m")([]) is None
+    assert _recompute_tokens([], block_size=4) is None
     assert not decode.called
 
 
