@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the CPU machine, once per checkout: everything the GPU host needs that the tracked tree does not carry.
+#   bash scripts/gpu/stage.sh        # ~2-10 min (downloads, then xz)
+# Makes (all ignored by git through .git/info/exclude):
+#   .gpu/         ../shared/gpu's recipe, with its model (Qwen3-8B shape, 131072 positions for the long runs)
+#   .whl/stage.part{0,1,2}   vLLM 0.26.0 + NIXL 1.3.1 in three parts: with the tracked tree (~19 MB) a call
+#                 carries at most 64 MiB, so the recipe's two parts of ~47 MiB do not fit beside it
+#   .whl/deps/    agentkv's own small dependencies the GPU image lacks (installed by scripts/gpu/_prelude.sh)
+# Then on the GPU host, three calls back to back (bench/README.md, "Next on the GPU"):
+#   bash .gpu/stash.sh 0            carry [".whl/stage.part0", ".gpu/stash.sh"]
+#   bash .gpu/stash.sh 1            carry [".whl/stage.part1", ".gpu/stash.sh"]
+#   bash .gpu/stash.sh 2 && bash .gpu/setup.sh && export PYTHONPATH=/root/site && <benchmark>
+#                                   carry [".whl/stage.part2", ".gpu", ".whl/deps"] (+ ".agentkv/models/tiny")
+set -euo pipefail
+REPO=$(git rev-parse --show-toplevel); cd "$REPO"
+SHARED=${SHARED:-$REPO/../shared/gpu}
+EXCLUDE=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$EXCLUDE")"; touch "$EXCLUDE"
+for p in /.whl/ /.gpu/; do grep -qxF "$p" "$EXCLUDE" || echo "$p" >> "$EXCLUDE"; done
+
+rm -rf .gpu && cp -r "$SHARED" .gpu && chmod -R u+w .gpu
+# Three parts, and setup.sh unpacks however many there are.
+sed -i 's/split -n 2 -d/split -n 3 -d/' .gpu/build_stage.sh
+sed -i 's#cat /root/stage/stage.part0 /root/stage/stage.part1 |#cat /root/stage/stage.part* |#' .gpu/setup.sh
+grep -q 'split -n 3' .gpu/build_stage.sh && grep -q 'stage.part\* |' .gpu/setup.sh \
+  || { echo "stage.sh: ../shared/gpu changed; adapt the edits above" >&2; exit 1; }
+
+python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q tokenizers
+python3 .gpu/make_model.py .gpu/model
+# Dummy weights do not care about positions; the long-context runs need 131072 (../shared/gpu/README.md).
+python3 - .gpu/model/config.json <<'PY'
+import json, sys
+cfg = json.load(open(sys.argv[1]))
+cfg["max_position_embeddings"] = 131072
+json.dump(cfg, open(sys.argv[1], "w"), indent=2)
+PY
+
+bash .gpu/build_stage.sh
+rm -rf .whl/deps && mkdir -p .whl/deps
+# The stage already holds pydantic and typing-inspection at vLLM's versions: only what it lacks.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl/deps \
+  pydantic-settings python-dotenv tenacity
+ls -la .whl .whl/deps
