@@ -8,6 +8,8 @@
                                               # also P/D in which decode starts from the token prefill
                                               # sampled: a recompute of every reuse turn, and a side of
                                               # its own (experiments, not agentkv's hops)
+    python -m bench.agreement --sides default --decode-alone
+                                              # also P/D's decode engine served as a single server
     bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
@@ -23,7 +25,10 @@ reuse side produced), both sides answer each reuse turn twice:
   with a fresh salt (nothing is reused);
 * with ``--prefill-first-token``, P/D in which decode starts from the token prefill sampled (an experiment on
   the engines' completions route, `_first_token_turn`): first turns P then D that way, later turns
-  decode-local, against that scheme's recompute.
+  decode-local, against that scheme's recompute;
+* with ``--decode-alone``, the P/D cluster's decode engine asked directly, as one server with prefix caching
+  (its own prefill of every prompt, no KV from prefill): the same engine and settings as P/D's decode, none
+  of P/D's hops, which tells an engine's settings apart from KV crossing engines.
 
 Reported per side: the share of reuse turns whose greedy token ids equal the recompute's, and the largest
 difference of the first token's logprob. A P/D recompute is not a single server's: decode computes the
@@ -59,6 +64,7 @@ _MAX_TOKENS = 24  # greedy output tokens per answer
 # What the completions-route experiments ask for: the first logprob and the tokens as their ids.
 _IDS_AND_LOGPROBS = {"logprobs": 1, "return_tokens_as_token_ids": True}
 FIRST_TOKEN_SIDE = "P/D from P's token"
+DECODE_ALONE_SIDE = "decode alone"
 
 
 class TurnFailed(RuntimeError):
@@ -387,9 +393,27 @@ def _pd_side(
                     )
                 except httpx.HTTPError as exc:  # an engine down: keep the other sides' turns
                     print(f"the {FIRST_TOKEN_SIDE} side stopped: {exc}")
+            if args.decode_alone:
+                reuse, again = single_server_sides(_sender(urls["decode_url"], model))
+                rows += run_side(
+                    DECODE_ALONE_SIDE + label, seeds, reuse=reuse, recompute=again, wordlevel=args.wordlevel
+                )
             return rows
     finally:
         cluster.down()
+
+
+def single_server_sides(send: Send) -> tuple[Send, Send]:
+    """``reuse`` and ``recompute`` of one server with prefix caching: the conversation's key as its cache salt
+    (its earlier turns' KV is reused), and a fresh salt (nothing is)."""
+
+    def reuse(messages: list[dict[str, str]], key: str | None) -> dict[str, Any]:
+        return send(messages, key, salt=True)
+
+    def recompute(messages: list[dict[str, str]]) -> dict[str, Any]:
+        return send(messages, uuid.uuid4().hex, salt=True)
+
+    return reuse, recompute
 
 
 def _single_side(
@@ -414,13 +438,8 @@ def _single_side(
         engine.wait_healthy(timeout_s=900)
         model = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]["id"]
         send = _sender(spec.url, model)
-        rows = run_side(
-            "single server",
-            seeds,
-            reuse=lambda m, key: send(m, key, salt=True),
-            recompute=lambda m: send(m, uuid.uuid4().hex, salt=True),
-            wordlevel=args.wordlevel,
-        )
+        reuse, recompute = single_server_sides(send)
+        rows = run_side("single server", seeds, reuse=reuse, recompute=recompute, wordlevel=args.wordlevel)
         with make_progress() as progress:
             task = progress.add_task("reference", total=len(pd_rows))
             for row in pd_rows:
@@ -560,6 +579,12 @@ def main(argv: list[str] | None = None) -> None:
         "first token, against the common reference, and run a side of its own in that scheme (first turns "
         "P then D so, later turns decode-local) against its recompute: not agentkv's hops, an experiment on "
         "the engines' completions route",
+    )
+    ap.add_argument(
+        "--decode-alone",
+        action="store_true",
+        help="also ask each P/D cluster's decode engine directly, as a single server (cache salt = the "
+        "conversation), against its own fresh-salt recompute and the common reference",
     )
     args = ap.parse_args(argv)
     from agentkv.server._model import ensure_tiny_model

@@ -17,6 +17,7 @@ from bench.agreement import (
     _from_prefill_first_token,
     fisher_p,
     run_side,
+    single_server_sides,
 )
 
 
@@ -50,6 +51,25 @@ def test_connector_keys_from_the_command_line() -> None:
     }
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         kv_config_item("agentkv_decode_tail_tokens")
+
+
+def test_a_single_server_reuses_under_the_conversations_salt_and_recomputes_under_a_fresh_one() -> None:
+    calls: list[tuple[str | None, bool]] = []
+
+    def send(messages: list[dict[str, str]], key: str | None, *, salt: bool = False) -> dict[str, object]:
+        calls.append((key, salt))
+        return {"tokens": []}
+
+    reuse, recompute = single_server_sides(send)
+    history = [{"role": "user", "content": "hi"}]
+    reuse(history, "conv-1")
+    reuse(history, "conv-1")
+    recompute(history)
+    recompute(history)
+    assert calls[:2] == [("conv-1", True), ("conv-1", True)]
+    fresh = [key for key, _ in calls[2:]]
+    assert all(salt for _, salt in calls[2:])
+    assert len(set(fresh)) == 2 and "conv-1" not in fresh
 
 
 def _completion(
