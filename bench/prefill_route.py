@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 import shutil
 import signal
@@ -33,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from agentkv.server.router import _codec
 from bench._common import (
     console,
     line_chart,
@@ -51,6 +53,10 @@ ROUTES = {
     "generate (detokenize off)": "generate",
     "chat (forwarded ids)": "chat",
     "chat (packed ids)": "chat-packed",
+    # The decode hop as an agent's conversation reaches it (`bench.client_body`'s: a 512-token tool result a
+    # turn, 514 messages at 131k), whole and cut to its last message (`agentkv._wire.cut_messages`).
+    "chat (packed ids, agent's messages)": "chat-agent",
+    "chat (packed ids, last message)": "chat-agent-cut",
     "render (chat template + tokenizer)": "render",
 }
 _WORDS = ("the", "file", "lists", "tool", "result", "line", "error", "ok", "path", "value")
@@ -67,20 +73,26 @@ def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, di
         return "/v1/chat/completions/render", body
     if route.startswith("chat"):
         # The conversation's text rides along as it does on the router's decode hop; nothing renders it.
-        body = {
-            "model": model,
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": 1,
-            "temperature": 0,
-        }
-        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids, pack=route == "chat-packed")
+        agent = route.startswith("chat-agent")
+        messages = _agent_messages(len(ids)) if agent else [{"role": "user", "content": text}]
+        body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
+        pack, cut = route != "chat", route == "chat-agent-cut"
+        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids, pack=pack, cut=cut)
     return token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=route == "generate")
+
+
+@functools.cache
+def _agent_messages(tokens: int) -> list[dict[str, Any]]:
+    from bench.client_body import conversation
+
+    return conversation(tokens, 512, random.Random(0))
 
 
 def _timed(client: httpx.Client, route: str, ids: list[int], text: str, model: str) -> float:
     path, body = _request(route, ids, text, model)
+    content = _codec.encode(body)  # as the router encodes its hops, outside the timing
     t0 = time.perf_counter()
-    r = client.post(path, json=body)
+    r = client.post(path, content=content, headers={"content-type": "application/json"})
     ms = (time.perf_counter() - t0) * 1e3
     if r.is_error:
         raise SystemExit(f"{route}: HTTP {r.status_code}: {r.text[:300]}")

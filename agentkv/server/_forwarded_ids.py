@@ -30,9 +30,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agentkv._wire import PACKED_IDS_KEY, PROMPT_IDS_KEY, unpack_ids
+from agentkv._wire import (
+    MESSAGES_CUT_KEY,
+    PACKED_IDS_KEY,
+    PROMPT_IDS_KEY,
+    has_non_text_content,
+    unpack_ids,
+)
 
-__all__ = ["forwarded_ids", "has_non_text_content", "install", "takes_packed_ids"]
+__all__ = ["forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
 
 logger = logging.getLogger("vllm.agentkv.forwarded_ids")
 
@@ -42,31 +48,9 @@ _IDS: contextvars.ContextVar[tuple[list[int], str] | None] = contextvars.Context
     "agentkv_forwarded_ids", default=None
 )
 
-# Only plain text parts: anything else (images, audio, files, parts vLLM adds later) is rendered.
-_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
-
 
 class _Invalid(ValueError):
     """For a vLLM without `VLLMValidationError`: its API server answers a ValueError with a 400 too."""
-
-
-def has_non_text_content(messages: Any) -> bool:
-    """Whether a message may hold more than text: a list content's part of another type or with other keys,
-    or a message that is not a plain dict (rendered rather than guessed at); string contents are text."""
-    if not isinstance(messages, list):
-        return False
-    for message in messages:
-        if not isinstance(message, dict):
-            return True
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for part in content:
-            if not isinstance(part, dict) or part.get("type", "text") not in _TEXT_PARTS:
-                return True
-            if any(key for key in part if key not in ("type", "text")):
-                return True
-    return False
 
 
 def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[list[int], str] | None:
@@ -79,7 +63,14 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[
         return None
     ids = params.pop(PROMPT_IDS_KEY, None)
     packed = params.pop(PACKED_IDS_KEY, None)
+    cut = params.pop(MESSAGES_CUT_KEY, None)
     if (ids is None and packed is None) or getattr(request, "echo", False) or has_non_text_content(messages):
+        if cut:
+            # The messages are the conversation's last one only: rendering them would run another prompt.
+            raise _error(
+                f"`kv_transfer_params['{MESSAGES_CUT_KEY}']`: the messages were cut to the last one, and "
+                "this request cannot run from its forwarded ids (none sent, echo, or non-text content)."
+            )
         return None
     form = "list"
     if ids is None:
@@ -136,9 +127,13 @@ def _vocab_size(front: Any) -> int | None:
 def _wrap_preprocess_chat(original: Any) -> Any:
     @functools.wraps(original)
     async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        params = getattr(request, "kv_transfer_params", None)
+        cut = isinstance(params, dict) and bool(params.get(MESSAGES_CUT_KEY))
         taken = forwarded_ids(request, messages, _vocab_size(self))
         if taken is None:
             return await original(self, request, messages, *args, **kwargs)
+        if cut and (counters := _counters()) is not None:
+            counters.cut_conversations.inc()
         token = _IDS.set(taken)
         try:
             return await original(self, request, messages, *args, **kwargs)
@@ -147,6 +142,27 @@ def _wrap_preprocess_chat(original: Any) -> Any:
 
     preprocess_chat.agentkv_wrapped = True  # type: ignore[attr-defined]
     return preprocess_chat
+
+
+def _wrap_render_chat(original: Any) -> Any:
+    """Every chat request's way through the renderer (0.26-0.34): a cut body that reached it without
+    `preprocess_chat` taking its ids (vLLM's GPT-OSS path renders without it) is refused before any engine
+    sees the prompt rendered from the last message alone."""
+
+    @functools.wraps(original)
+    async def render_chat(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = await original(self, request, *args, **kwargs)
+        params = getattr(request, "kv_transfer_params", None)
+        # A tuple is a rendered prompt (an error response answers the client as it is).
+        if isinstance(result, tuple) and isinstance(params, dict) and params.pop(MESSAGES_CUT_KEY, None):
+            raise _error(
+                f"`kv_transfer_params['{MESSAGES_CUT_KEY}']`: this model's chat route renders the messages "
+                "instead of running the forwarded ids; send the whole conversation."
+            )
+        return result
+
+    render_chat.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return render_chat
 
 
 def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
@@ -170,28 +186,49 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
 
 
 def _count(form: str) -> None:
-    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
-
     if (counters := _counters()) is not None:
         counters.forwarded_ids.labels(form=form).inc()
 
 
+def _counters() -> Any:
+    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
+
+    return _counters()
+
+
 @functools.cache  # the info route asks on every probe; the installed vLLM does not change under a process
-def _has_own() -> bool:
-    """Whether this vLLM takes forwarded ids itself (0.32+), read from its source: the plugin runs in every
-    vLLM process, and importing the renderer costs the engine core and workers a second of start-up."""
+def _renderer_source() -> str:
+    """vLLM's online renderer's source ("" without one): read, not imported, because the plugin runs in every
+    vLLM process and importing the renderer costs the engine core and workers a second of start-up."""
     try:
         spec = importlib.util.find_spec("vllm.renderers.online_renderer")
         origin = getattr(spec, "origin", None)
-        return origin is not None and "_reused_prompt_token_ids" in Path(origin).read_text(encoding="utf-8")
+        return "" if origin is None else Path(origin).read_text(encoding="utf-8")
     except (ImportError, OSError):  # no such module (install() says so), or no source to read
-        return False
+        return ""
+
+
+def _has_own() -> bool:
+    """Whether this vLLM takes forwarded ids itself (0.32+)."""
+    return "_reused_prompt_token_ids" in _renderer_source()
+
+
+def _has_render_chat() -> bool:
+    """Whether this vLLM's chat requests all pass `OnlineRenderer.render_chat`, where a cut body that was not
+    run from its ids is caught (0.26-0.34)."""
+    return "    async def render_chat(\n" in _renderer_source()
 
 
 def takes_packed_ids(mode: str | None) -> bool:
     """Whether an API server with this `AGENTKV_FORWARDED_IDS` mode runs agentkv's wrapper, which also reads
     the packed ids (read from vLLM's source, as `install` decides; no import)."""
     return mode == "always" or (mode == "on" and not _has_own())
+
+
+def takes_cut_messages(mode: str | None) -> bool:
+    """Whether that wrapper may be sent a chat body cut to its last message (`agentkv._wire.cut_messages`):
+    it runs the packed ids, and `render_chat` is there to refuse a cut body that was not run from them."""
+    return takes_packed_ids(mode) and _has_render_chat()
 
 
 def install(*, always: bool) -> bool:
@@ -216,4 +253,7 @@ def install(*, always: bool) -> bool:
         online_renderer.OnlineRenderer.preprocess_chat = _wrap_preprocess_chat(preprocess)  # type: ignore[method-assign]
     if not getattr(render, "agentkv_wrapped", False):
         BaseRenderer.render_chat_async = _wrap_render_chat_async(render, tokens_input)  # type: ignore[method-assign]
+    chat = getattr(online_renderer.OnlineRenderer, "render_chat", None)
+    if chat is not None and not getattr(chat, "agentkv_wrapped", False):
+        online_renderer.OnlineRenderer.render_chat = _wrap_render_chat(chat)  # type: ignore[method-assign]
     return True

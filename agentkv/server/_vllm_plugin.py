@@ -119,6 +119,10 @@ class _Counters:
             "Chat prompts run from the router's forwarded ids (`_forwarded_ids`), by form: list or packed",
             ["form"],
         )
+        self.cut_conversations = Counter(
+            "agentkv_cut_conversations",
+            "Of those, chat requests the router cut to their last message (`agentkv._wire.cut_messages`)",
+        )
 
     def __call__(self, result: str, reused: int, tokenized: int) -> None:
         self.prompts.labels(result=result).inc()

@@ -31,6 +31,7 @@ from ._helpers import (
 )
 
 FORWARDED = "agentkv_forwarded_ids_prompts_total"
+CUT = "agentkv_cut_conversations_total"
 
 
 def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
@@ -59,6 +60,7 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     before = {h: _requests(p_url, h) for h in hops}
     d_url = cluster.decodes[0].spec.url
     taken_before = metric(d_url, FORWARDED, form="packed")
+    cut_before = metric(d_url, CUT)
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -78,6 +80,10 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     # Every decode hop ran the forwarded ids through agentkv's plugin (this cluster's setting), not a render,
     # and got them packed: decode's retention service says its plugin reads that form.
     assert metric(d_url, FORWARDED, form="packed") - taken_before == 2 * len(script)
+    # ... with the conversation cut to its last message on every turn that had more than one (the answers
+    # above agree with each other all the same), as decode's retention service allows.
+    assert service_info(cluster.decodes[0].spec.service_url)["messages_cut"] is True
+    assert metric(d_url, CUT) - cut_before == 2 * (len(script) - 1)
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:

@@ -33,7 +33,7 @@ from agentkv.server._connector._leases import LeaseTable
 from agentkv.server._connector._queues import tune_queue_readers
 from agentkv.server._connector._service import COUNTERS, RetentionService
 from agentkv.server._connector._vllm import NixlPullConnectorScheduler
-from agentkv.server._forwarded_ids import takes_packed_ids
+from agentkv.server._forwarded_ids import takes_cut_messages, takes_packed_ids
 from agentkv.server._vllm_plugin import forwarded_ids_mode
 
 if TYPE_CHECKING:
@@ -149,6 +149,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "forwarded_ids": forwarded is not None,
             # ... and agentkv's own wrapper there reads them packed as well (`agentkv._wire.pack_ids`).
             "packed_ids": takes_packed_ids(forwarded),
+            # ... and may be sent a chat body cut to its last message (`agentkv._wire.cut_messages`).
+            "messages_cut": takes_cut_messages(forwarded),
             # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),

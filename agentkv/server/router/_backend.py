@@ -88,6 +88,8 @@ class BackendState:
     forwarded_ids: bool = False
     # ... and reads them packed (`agentkv._wire.pack_ids`): agentkv's plugin runs its own wrapper there.
     packed_ids: bool = False
+    # ... and takes a chat body cut to its last message beside them (`agentkv._wire.cut_messages`).
+    messages_cut: bool = False
     registration: Registration | None = None
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.

@@ -59,6 +59,7 @@ class LeaseClient:
         decode.retention = info is not None
         decode.forwarded_ids = info is not None and info.get("forwarded_ids") is True
         decode.packed_ids = info is not None and info.get("packed_ids") is True
+        decode.messages_cut = decode.packed_ids and info is not None and info.get("messages_cut") is True
         if info is not None:
             lease_s = info.get("lease_s")
             decode.lease_s = float(lease_s) if isinstance(lease_s, (int, float)) else None

@@ -16,7 +16,9 @@ from starlette.responses import Response
 from agentkv._constants import H_LEASE_EXPIRES_IN, PULLED_KEY
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import (
+    CHAT_PATH,
     KV_KEY,
+    cut_messages,
     decode_body,
     decode_local_body,
     prefill_body,
@@ -202,6 +204,7 @@ class TurnRunner:
         if turn.rendered is not None:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
             turn.pack_ids = turn.forward_ids and decode.packed_ids
+            turn.cut_messages = turn.pack_ids and decode.messages_cut and turn.api_path == CHAT_PATH
         return decode, decision
 
     @property
@@ -286,6 +289,7 @@ class TurnRunner:
                 prompt_ids=turn.forwarded_ids(),
                 pack=turn.pack_ids,
                 offer_decoded=not self._s.exact,
+                cut=turn.cut_messages,
             )
             return await self._open_decode(turn, body, first=decode, failover=False)
         except APIStatusError as exc:
@@ -364,7 +368,9 @@ class TurnRunner:
             pack=turn.pack_ids,
             offer_decoded=not self._s.exact,
         )
-        return await self._open_decode(turn, body, first=decode)
+        # The whole body stays for a decode the hop fails over to: only `decode` said it takes a cut one.
+        cut = cut_messages(body) if turn.cut_messages else body
+        return await self._open_decode(turn, cut, first=decode, whole=body)
 
     async def _token_prefill(
         self, p: BackendState, turn: Turn, rendered: dict[str, Any], kv_params: dict[str, Any]
@@ -398,8 +404,16 @@ class TurnRunner:
         return answer
 
     async def _open_decode(
-        self, turn: Turn, body: dict[str, Any], *, first: BackendState | None, failover: bool = True
+        self,
+        turn: Turn,
+        body: dict[str, Any],
+        *,
+        first: BackendState | None,
+        failover: bool = True,
+        whole: dict[str, Any] | None = None,
     ) -> tuple[httpx.Response, BackendState]:
+        """Decode's hop to ``first``, else (``failover``) another decode, which gets ``whole`` (the body
+        before `cut_messages`) where given."""
         sv = self._sv
         s = self._s
 
@@ -414,8 +428,9 @@ class TurnRunner:
             with contextlib.ExitStack() as inflight:
                 inflight.enter_context(d.inflight())
                 first_byte = s.timeouts.decode_first_byte_s if turn.stream else s.timeouts.decode_total_s
+                sent = body if whole is None or d is first else whole
                 resp = await sv.hops.open_stream(
-                    d, turn.api_path, body, turn.request_id, first_byte_s=first_byte
+                    d, turn.api_path, sent, turn.request_id, first_byte_s=first_byte
                 )
                 turn.inflight = inflight.pop_all()  # until the answer's last byte
                 return resp

@@ -61,9 +61,11 @@ class Turn:
     prompt_ids: array[int] | None = None
     render_prefill: BackendState | None = None
     render_ms: float | None = None
-    # Whether decode gets the prompt's ids forwarded (it renders nothing then), and packed.
+    # Whether decode gets the prompt's ids forwarded (it renders nothing then), packed, and with the chat
+    # messages cut to the last one (`agentkv._wire.cut_messages`).
     forward_ids: bool = False
     pack_ids: bool = False
+    cut_messages: bool = False
     # Decode's in-flight count for this turn (see `BackendState.inflight`): held from the decode hop's start
     # to the answer's last byte, closed by whoever sees that byte.
     inflight: contextlib.ExitStack[bool | None] = dataclasses.field(default_factory=contextlib.ExitStack)

@@ -77,6 +77,8 @@ class FakeEngines:
         self.version = "0.32.0"  # what GET /version reports
         self.d_forwarded_ids = False  # D's retention service reports agentkv's plugin taking forwarded ids
         self.d_packed_ids = False  # ... and reading them packed
+        self.d_messages_cut = False  # ... and taking a chat body cut to its last message
+        self.refuse_completions: set[str] = set()  # hosts whose completion routes refuse connections
         # Prefills refuse these routes with (status, message), e.g. the generate route refusing the token
         # path's body as another release's schema would; and the generate route may answer without
         # kv_transfer_params. Empty/False: vLLM 0.32's behaviour.
@@ -142,6 +144,8 @@ class FakeEngines:
             return httpx.Response(200, json={"version": self.version})
         if path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        if host in self.refuse_completions and path.startswith(("/v1/", "/inference/")):
+            raise httpx.ConnectError("connection refused", request=request)
         if host in self.status:
             status, payload = self.status[host]
             return httpx.Response(status, json=payload)
@@ -240,6 +244,8 @@ class FakeEngines:
                 info["forwarded_ids"] = True
             if self.d_packed_ids:
                 info["packed_ids"] = True
+            if self.d_messages_cut:
+                info["messages_cut"] = True
             return httpx.Response(200, json=info)
         now = time.perf_counter()
         if method == "GET" and path.startswith(_RETAINED):

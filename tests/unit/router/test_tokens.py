@@ -11,7 +11,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv._wire import PACKED_IDS_KEY, pack_ids, rendered_request, token_prefill, unpack_ids
+from agentkv._wire import (
+    MESSAGES_CUT_KEY,
+    PACKED_IDS_KEY,
+    pack_ids,
+    rendered_request,
+    token_prefill,
+    unpack_ids,
+)
 from agentkv.server.router._store import ConversationRecord
 from agentkv.server.router._tokens import TokenPrefix
 
@@ -108,6 +115,57 @@ async def test_decode_whose_plugin_reads_packed_ids_is_sent_them_packed(
         assert "prompt_token_ids" not in params
         assert unpack_ids(params[PACKED_IDS_KEY]).tolist() == render_ids(render)
         assert body["messages"]
+
+
+async def test_decode_that_takes_cut_messages_gets_the_last_one_beside_the_packed_ids(
+    engines: FakeEngines, make_client
+) -> None:
+    """Decode validates every message it is sent and renders none of them: a decode whose plugin says it
+    takes a cut body gets the last message (and the marker that makes it refuse to render it)."""
+    engines.renders, engines.version = True, "0.26.0"
+    engines.d_forwarded_ids = engines.d_packed_ids = engines.d_messages_cut = True
+    async with make_client(tokens=True) as client:
+        r1 = await chat(client, USER1, max_tokens=20)
+        history = then(USER1, r1)
+        r2 = await chat(client, history, max_tokens=20)
+        r3 = await chat(client, [*history, {"role": "user", "content": "again"}], echo=True)
+    assert r1.status_code == r2.status_code == r3.status_code == 200
+    first, second, echoed = engines.completions("d")
+    assert first["messages"] == USER1 and MESSAGES_CUT_KEY not in first["kv_transfer_params"]  # one message
+    assert second["messages"] == history[-1:] and second["kv_transfer_params"][MESSAGES_CUT_KEY] is True
+    assert unpack_ids(second["kv_transfer_params"][PACKED_IDS_KEY]).tolist() == render_ids(
+        engines.requests("p", RENDER)[1][0]
+    )
+    # An echo is rendered from the messages on decode: the body goes whole.
+    assert (
+        len(echoed["messages"]) == len(history) + 1 and MESSAGES_CUT_KEY not in echoed["kv_transfer_params"]
+    )
+
+
+async def test_a_decode_without_the_capability_and_a_failover_decode_get_the_whole_conversation(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.renders, engines.version = True, "0.26.0"
+    engines.d_forwarded_ids = engines.d_packed_ids = True  # packed, but no word on cut bodies
+    history = [{"role": "system", "content": "be brief"}, *USER1]
+    async with make_client(tokens=True) as client:
+        assert (await chat(client, history)).status_code == 200
+    [whole] = engines.completions("d")
+    assert whole["messages"] == history and MESSAGES_CUT_KEY not in whole["kv_transfer_params"]
+
+    engines.seen.clear()
+    engines.d_messages_cut = True
+    engines.refuse_completions.add("d0.test")  # its service answers; its hop fails to connect
+    async with make_client(tokens=True) as client:
+        r = await chat(client, history)
+    assert r.status_code == 200
+    hops = [
+        (host, body) for host, _m, path, body, _h in engines.seen if host.startswith("d") and path == CHAT
+    ]
+    assert [host for host, _ in hops] == ["d0.test", "d1.test"]
+    (_, cut), (_, failover) = hops
+    assert cut["messages"] == history[-1:] and cut["kv_transfer_params"][MESSAGES_CUT_KEY] is True
+    assert failover["messages"] == history and MESSAGES_CUT_KEY not in failover["kv_transfer_params"]
 
 
 async def test_tools_added_is_a_mismatch_on_token_ids_where_messages_still_match(

@@ -10,7 +10,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentkv._exceptions import APIStatusError
-from agentkv._wire import PROMPT_IDS_KEY, pack_ids, prefill_body, unpack_ids, with_prompt_ids
+from agentkv._wire import (
+    KV_KEY,
+    MESSAGES_CUT_KEY,
+    PACKED_IDS_KEY,
+    PROMPT_IDS_KEY,
+    cut_messages,
+    decode_body,
+    decode_local_body,
+    pack_ids,
+    prefill_body,
+    unpack_ids,
+    with_prompt_ids,
+)
 from agentkv.server.router import _codec, _ids
 from agentkv.server.router._ids import extract_conversation_id, parse_body, tenant_of
 from agentkv.server.router._params import strip_client_fields, strip_kv_json
@@ -494,3 +506,40 @@ def test_ids_outside_uint32_are_not_packed(ids: list[int]) -> None:
 def test_malformed_packed_ids_are_refused(bad: object) -> None:
     with pytest.raises(ValueError):
         unpack_ids(bad)
+
+
+_HISTORY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_decode_hop_with_packed_ids_is_cut_to_its_last_message(local: bool) -> None:
+    body = {"model": "m", "messages": _HISTORY, "max_tokens": 3}
+    if local:
+        out = decode_local_body(body, prompt_ids=[1, 2, 3], pack=True, cut=True)
+    else:
+        out = decode_body(body, {"remote_engine_id": "P"}, prompt_ids=[1, 2, 3], pack=True, cut=True)
+    assert out["messages"] == _HISTORY[-1:] and out["max_tokens"] == 3
+    assert out[KV_KEY][MESSAGES_CUT_KEY] is True and unpack_ids(out[KV_KEY][PACKED_IDS_KEY]).tolist() == [
+        1,
+        2,
+        3,
+    ]
+    assert body["messages"] == _HISTORY and KV_KEY not in body  # the client's body is not touched
+
+
+@pytest.mark.parametrize(
+    ("extra", "pack", "messages"),
+    [
+        ({}, False, _HISTORY),  # the ids as a list: a decode that reads only packed ids renders them
+        ({"echo": True}, True, _HISTORY),  # an echo is rendered
+        ({}, True, [*_HISTORY[:1], {"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        ({}, True, _HISTORY[:1]),  # one message: nothing to cut
+    ],
+)
+def test_a_decode_hop_that_would_render_keeps_its_messages(
+    extra: dict[str, Any], pack: bool, messages: list[dict[str, Any]]
+) -> None:
+    body = {"model": "m", "messages": messages, **extra}
+    out = decode_local_body(body, prompt_ids=[1, 2], pack=pack, cut=True)
+    assert out["messages"] == messages and MESSAGES_CUT_KEY not in out[KV_KEY]
+    assert cut_messages({"model": "m", "prompt": "x"}) == {"model": "m", "prompt": "x"}

