@@ -225,10 +225,12 @@ def takes_packed_ids(mode: str | None) -> bool:
     return mode == "always" or (mode == "on" and not _has_own())
 
 
-def takes_cut_messages(mode: str | None) -> bool:
+def takes_cut_messages(mode: str | None, *, model_type: str | None) -> bool:
     """Whether that wrapper may be sent a chat body cut to its last message (`agentkv._wire.cut_messages`):
-    it runs the packed ids, and `render_chat` is there to refuse a cut body that was not run from them."""
-    return takes_packed_ids(mode) and _has_render_chat()
+    it runs the packed ids, and `render_chat` is there to refuse a cut body that was not run from them. Not
+    for GPT-OSS (`model_type` from the model's config, vLLM's own test): its chat route renders the messages
+    without `preprocess_chat`, so every cut body would be refused."""
+    return model_type != "gpt_oss" and takes_packed_ids(mode) and _has_render_chat()
 
 
 def install(*, always: bool) -> bool:

