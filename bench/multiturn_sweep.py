@@ -108,6 +108,20 @@ class Words:
         )
 
 
+def turn_messages(words: Words, tokens: int, message_tokens: int) -> list[dict[str, str]]:
+    """A turn's new text as messages: one user message, or (``message_tokens`` > 0) messages of about that
+    many tokens alternating user and assistant, first and last the user's, as an agent's tool results and
+    answers reach the router. Work that grows with the number of messages (their validation on every hop, the
+    client's own transform) shows only in the second form."""
+    if message_tokens <= 0 or tokens <= message_tokens:
+        return [{"role": "user", "content": words.text(tokens)}]
+    n = -(-tokens // message_tokens)
+    n += 1 - n % 2  # odd: the turn starts and ends with the user's message
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": words.text(tokens // n)} for i in range(n)
+    ]
+
+
 def stream_turn(
     client: httpx.Client,
     router: str,
@@ -268,7 +282,7 @@ def run_leg(
                 have = 0
                 for turn, (label, target) in enumerate(plan):
                     add = max(16, target - have)
-                    history.append({"role": "user", "content": words.text(add)})
+                    history += turn_messages(words, add, args.message_tokens)
                     before = scrape(prefill_url)
                     d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                     row = stream_turn(client, router, model, cid, history, args.output_tokens)
@@ -632,6 +646,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", default="512,1024,2048,3072")
     ap.add_argument("--suffix", type=int, default=256, help="agentic shape: new tokens in the suffix turn")
     ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument(
+        "--message-tokens",
+        type=int,
+        default=0,
+        help="split each turn's new text into messages of about this many tokens, user and assistant in "
+        "turn, as an agent's history arrives (default 0: one user message a turn)",
+    )
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--lease-s", type=float, default=60)

@@ -204,7 +204,9 @@ class TurnRunner:
         if turn.rendered is not None:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
             turn.pack_ids = turn.forward_ids and decode.packed_ids
-            turn.cut_messages = turn.pack_ids and decode.messages_cut and turn.api_path == CHAT_PATH
+            turn.cut_messages = (
+                self._s.cut_messages and turn.pack_ids and decode.messages_cut and turn.api_path == CHAT_PATH
+            )
         return decode, decision
 
     @property

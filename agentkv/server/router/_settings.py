@@ -87,6 +87,9 @@ class RouterSettings(BaseSettings):
     # the ids, decode gets them forwarded, reuse is checked on them. Engines without vLLM's render API
     # (`--enable-scale-out` on 0.32+) are served text as before.
     tokens: bool = True
+    # On the token path, a chat decode hop carries only the conversation's last message beside the packed ids,
+    # where decode's plugin says it takes that (`agentkv._wire.cut_messages`); off sends every message.
+    cut_messages: bool = True
     # Off (the default): vLLM's own prefix-cache semantics. Only KV of exactly the same token prefix is reused
     # (token ids checked here, block fingerprints on prefill), including KV decode computed itself: decode
     # keeps its prefix cache (prefill sends only what it lacks), offers its answer's KV, and short suffixes

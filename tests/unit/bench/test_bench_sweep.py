@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.multiturn_sweep import PHASES, phase_split, summarize
+from bench.multiturn_sweep import PHASES, Words, phase_split, summarize, turn_messages
 
 
 def _row(leg: str, ttft: float, prefill: float, label: str = "turn2") -> dict[str, object]:
@@ -117,3 +117,13 @@ def test_summary_carries_bytes_and_the_two_node_ttft() -> None:
     assert entry["bytes_d_to_p_on"] == 2_000 and entry["bytes_p_to_d_on"] == 500
     assert entry["ttft_two_node_ms_on"] == 640.0
     assert entry["ttft_two_node_ms_off"] is None  # rows written before the model existed
+
+
+def test_a_turns_text_goes_as_one_message_or_as_an_agents_alternating_ones() -> None:
+    words = Words("no-such-model", seed=0)
+    [one] = turn_messages(words, 100, 0)
+    assert one["role"] == "user" and one["content"]
+    assert len(turn_messages(words, 100, 512)) == 1  # shorter than a message
+    many = turn_messages(words, 4096, 512)
+    assert len(many) == 9 and many[0]["role"] == many[-1]["role"] == "user"
+    assert [m["role"] for m in many[:3]] == ["user", "assistant", "user"]

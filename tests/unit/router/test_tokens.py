@@ -155,6 +155,12 @@ async def test_a_decode_without_the_capability_and_a_failover_decode_get_the_who
 
     engines.seen.clear()
     engines.d_messages_cut = True
+    async with make_client(tokens=True, cut_messages=False) as client:  # the router's own setting
+        assert (await chat(client, history)).status_code == 200
+    [whole] = engines.completions("d")
+    assert whole["messages"] == history and MESSAGES_CUT_KEY not in whole["kv_transfer_params"]
+
+    engines.seen.clear()
     engines.refuse_completions.add("d0.test")  # its service answers; its hop fails to connect
     async with make_client(tokens=True) as client:
         r = await chat(client, history)
