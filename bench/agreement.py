@@ -443,7 +443,7 @@ def _single_side(
         with make_progress() as progress:
             task = progress.add_task("reference", total=len(pd_rows))
             for row in pd_rows:
-                reference = send(row["history"], uuid.uuid4().hex, salt=True)["tokens"]
+                reference = recompute(row["history"])["tokens"]
                 row["same_as_reference"] = row["tokens"] == reference
                 row["recompute_same_as_reference"] = row["recompute_tokens"] == reference
                 if row.get("first_token_recompute_tokens") is not None:

@@ -65,7 +65,7 @@ _ONE_TOKEN_WORDS = ("the", "file", "tool", "result", "error", "value")
 
 
 def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, dict[str, Any]]:
-    from agentkv._wire import decode_local_body, token_prefill
+    from agentkv._wire import cut_messages, decode_local_body, token_prefill
 
     if route == "render":
         # The router's one render per turn, on prefill's API server (the token path's first hop).
@@ -77,7 +77,8 @@ def _request(route: str, ids: list[int], text: str, model: str) -> tuple[str, di
         messages = _agent_messages(len(ids)) if agent else [{"role": "user", "content": text}]
         body = {"model": model, "messages": messages, "max_tokens": 1, "temperature": 0}
         pack, cut = route != "chat", route == "chat-agent-cut"
-        return "/v1/chat/completions", decode_local_body(body, prompt_ids=ids, pack=pack, cut=cut)
+        hop = decode_local_body(body, prompt_ids=ids, pack=pack)
+        return "/v1/chat/completions", cut_messages(hop) if cut else hop
     return token_prefill({"token_ids": ids}, model=model, kv_params={}, generate=route == "generate")
 
 

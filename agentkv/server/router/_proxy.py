@@ -291,8 +291,9 @@ class TurnRunner:
                 prompt_ids=turn.forwarded_ids(),
                 pack=turn.pack_ids,
                 offer_decoded=not self._s.exact,
-                cut=turn.cut_messages,
             )
+            if turn.cut_messages:  # no failover on this path: the one decode said it takes a cut body
+                body = cut_messages(body)
             return await self._open_decode(turn, body, first=decode, failover=False)
         except APIStatusError as exc:
             if exc.status_code != 503:

@@ -515,9 +515,9 @@ _HISTORY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}
 def test_a_decode_hop_with_packed_ids_is_cut_to_its_last_message(local: bool) -> None:
     body = {"model": "m", "messages": _HISTORY, "max_tokens": 3}
     if local:
-        out = decode_local_body(body, prompt_ids=[1, 2, 3], pack=True, cut=True)
+        out = cut_messages(decode_local_body(body, prompt_ids=[1, 2, 3], pack=True))
     else:
-        out = decode_body(body, {"remote_engine_id": "P"}, prompt_ids=[1, 2, 3], pack=True, cut=True)
+        out = cut_messages(decode_body(body, {"remote_engine_id": "P"}, prompt_ids=[1, 2, 3], pack=True))
     assert out["messages"] == _HISTORY[-1:] and out["max_tokens"] == 3
     assert out[KV_KEY][MESSAGES_CUT_KEY] is True and unpack_ids(out[KV_KEY][PACKED_IDS_KEY]).tolist() == [
         1,
@@ -540,6 +540,6 @@ def test_a_decode_hop_that_would_render_keeps_its_messages(
     extra: dict[str, Any], pack: bool, messages: list[dict[str, Any]]
 ) -> None:
     body = {"model": "m", "messages": messages, **extra}
-    out = decode_local_body(body, prompt_ids=[1, 2], pack=pack, cut=True)
+    out = cut_messages(decode_local_body(body, prompt_ids=[1, 2], pack=pack))
     assert out["messages"] == messages and MESSAGES_CUT_KEY not in out[KV_KEY]
     assert cut_messages({"model": "m", "prompt": "x"}) == {"model": "m", "prompt": "x"}
