@@ -324,6 +324,12 @@ def _serving(args: argparse.Namespace) -> dict[str, Any]:
     return {"extra_args": list(args.engine_arg)}
 
 
+def _prefill_serving(args: argparse.Namespace) -> dict[str, Any]:
+    """``--prefill-engine-arg`` after every other argument of a P/D cluster's prefill (vLLM takes a flag's
+    last value): an A/B of prefill's own settings against its decode's."""
+    return {"prefill_args": list(args.prefill_engine_arg)}
+
+
 def _pd_side(
     args: argparse.Namespace, seeds: range, logs: Path, kv_config: dict[str, Any], label: str = ""
 ) -> list[dict[str, Any]]:
@@ -342,6 +348,7 @@ def _pd_side(
         log_dir=logs,
         extra_kv_config=kv_config,
         **_serving(args),
+        **_prefill_serving(args),
     )
     cluster = Cluster(config=cfg)
     cluster.up()
@@ -546,6 +553,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=("cpu", "gpu"), default="cpu")
     ap.add_argument("--engine-arg", action="append", default=[], help="one vLLM argument (repeatable)")
+    ap.add_argument(
+        "--prefill-engine-arg",
+        action="append",
+        default=[],
+        help="one vLLM argument for the P/D clusters' prefill only, after the launcher's (repeatable): e.g. "
+        "decode's CUDA graphs and prefix caching, to tell prefill's settings from KV crossing engines",
+    )
     ap.add_argument(
         "--kv-config",
         action="append",

@@ -175,9 +175,12 @@ GPU_DECODE_GRAPHS = '{"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}'
 def _graph_args(spec: EngineSpec) -> list[str]:
     if any(a.startswith(("--compilation-config", "-cc", "-O", "--enforce-eager")) for a in spec.extra_args):
         return []  # the caller chose
-    # CPU: no graphs. A prefill engine computes long prompts, where launches do not matter.
-    if spec.enforce_eager or spec.device == "cpu" or spec.role == "prefill":
+    if spec.enforce_eager or spec.device == "cpu":
         return ["--enforce-eager"]
+    # A prefill gets decode's setting although it replays few graphs: with full graphs vLLM's FlashAttention
+    # bounds its KV splits on every batch up to the capture size (a short suffix over pulled KV is one),
+    # eager leaves them to FA3's heuristic, and KV computed under other splits than decode's parts P/D's
+    # greedy answers from one server's (bench/README.md, "agreement: prefill with decode's settings").
     return ["--compilation-config", GPU_DECODE_GRAPHS]
 
 

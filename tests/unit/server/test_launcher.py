@@ -5,7 +5,7 @@ import pytest
 
 from agentkv._exceptions import ConfigError, EngineVersionError, ModelNotFoundError, PortInUseError
 from agentkv.server._cluster import ClusterConfig
-from agentkv.server._launcher import Engine, EngineSpec, build_command
+from agentkv.server._launcher import GPU_DECODE_GRAPHS, Engine, EngineSpec, build_command
 
 
 def _kv(argv: list[str]) -> dict:  # type: ignore[type-arg]
@@ -49,9 +49,13 @@ def test_gpu_defaults_are_the_measured_best_settings() -> None:
     assert cc == {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"} and "--enforce-eager" not in argv
 
 
-def test_gpu_decode_graphs_only_for_decode_and_can_be_turned_off() -> None:
+def test_gpu_graphs_alike_on_both_roles_and_can_be_turned_off() -> None:
+    # P and D under one setting: their KV must be computed as one server's would (agreement on the H100/H200).
     prefill = build_command(EngineSpec(role="prefill", model="/m", port=1, device="gpu"))[0]
-    assert "--enforce-eager" in prefill and "--compilation-config" not in prefill
+    decode = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu"))[0]
+    assert "--enforce-eager" not in prefill
+    graphs = [argv[argv.index("--compilation-config") + 1] for argv in (prefill, decode)]
+    assert graphs[0] == graphs[1] == GPU_DECODE_GRAPHS
     cpu = build_command(EngineSpec(role="decode", model="/m", port=1))[0]
     assert "--enforce-eager" in cpu and "--compilation-config" not in cpu
     eager = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu", enforce_eager=True))[0]
