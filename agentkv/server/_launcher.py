@@ -87,8 +87,8 @@ class EngineSpec:
     cost_model: bool = True
     prefix_caching: bool = True
     max_model_len: int = 8192
-    # True: no CUDA graphs anywhere. Otherwise a GPU decode replays graphs of its decode steps (below);
-    # prefill and CPU engines run eager regardless.
+    # True: no CUDA graphs anywhere. Otherwise a GPU engine of either role gets the setting that replays
+    # graphs of decode steps (below); CPU engines run eager regardless.
     enforce_eager: bool = False
     cpu_kvcache_gib: int = 1
     cpu_core: int | None = None  # OMP thread binding on CPU

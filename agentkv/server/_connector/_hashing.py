@@ -218,10 +218,10 @@ def decode_loaded_tokens(
     step.
 
     vLLM loads the whole prompt and then re-runs its last token alone. On a GPU that one-token step is a
-    decode batch, which decode's CUDA graph (``FULL_DECODE_ONLY``) computes; on the H200 the default mode's
-    decode-local answers gave a single server's one-prefill answer in 84 % of reuse turns with decode's
-    graphs and in 95 % with every engine eager, the single server's own rate (``bench/results/
-    agreement_h200_tiny_eager_reference/``). Two tokens or more make the step a prefill. The load keeps its
+    decode batch, which decode's CUDA graph (``FULL_DECODE_ONLY``) computes, where one server computes the
+    token inside the prompt's prefill: P/D's recompute gives the one-prefill answer in ~90 % of turns with P
+    and D under the same graph setting (``bench/results/agreement_h100_prefill_graphs/``). Two tokens or more
+    make the step a prefill. The load keeps its
     block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first when
     decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every block one
     place off. So the tail stays inside the prompt's last block (at most its tokens there less one), and

@@ -50,7 +50,7 @@ def test_gpu_defaults_are_the_measured_best_settings() -> None:
 
 
 def test_gpu_graphs_alike_on_both_roles_and_can_be_turned_off() -> None:
-    # P and D under one setting: their KV must be computed as one server's would (agreement on the H100/H200).
+    # P and D under one setting: their KV must be computed as one server's would (bench.agreement on an H100).
     prefill = build_command(EngineSpec(role="prefill", model="/m", port=1, device="gpu"))[0]
     decode = build_command(EngineSpec(role="decode", model="/m", port=1, device="gpu"))[0]
     assert "--enforce-eager" not in prefill
