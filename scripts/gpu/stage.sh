@@ -6,6 +6,7 @@
 #   .whl/stage.part{0,1,2}   vLLM 0.26.0 + NIXL 1.3.1 in three parts: with the tracked tree (~19 MB) a call
 #                 carries at most 64 MiB, so the recipe's two parts of ~47 MiB do not fit beside it
 #   .whl/deps/    agentkv's own small dependencies the GPU image lacks (installed by scripts/gpu/_prelude.sh)
+#   .spy/py-spy   the profiler for scripts/gpu/profile.sh (one static binary, ~8 MB; carry it with part 0 or 1)
 # Then on the GPU host, three calls back to back (bench/README.md, "Next on the GPU"):
 #   bash .gpu/stash.sh 0            carry [".whl/stage.part0", ".gpu/stash.sh"]
 #   bash .gpu/stash.sh 1            carry [".whl/stage.part1", ".gpu/stash.sh"]
@@ -40,4 +41,14 @@ rm -rf .whl/deps && mkdir -p .whl/deps
 # The stage already holds pydantic and typing-inspection at vLLM's versions: only what it lacks.
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .whl/deps \
   pydantic-settings python-dotenv tenacity
-ls -la .whl .whl/deps
+# py-spy's wheel is one static binary: the GPU host has no index to install it from.
+rm -rf .spy && mkdir -p .spy
+python3 -m pip download -q --no-deps --only-binary=:all: -d .spy py-spy  # this host's arch, as the GPU host's
+python3 - <<'PY'
+import glob, zipfile
+with zipfile.ZipFile(glob.glob(".spy/py_spy-*.whl")[0]) as whl:
+    name = next(n for n in whl.namelist() if n.endswith("/scripts/py-spy") or n.endswith("/py-spy"))
+    open(".spy/py-spy", "wb").write(whl.read(name))
+PY
+chmod +x .spy/py-spy && rm -f .spy/*.whl
+ls -la .whl .whl/deps .spy
