@@ -96,10 +96,12 @@ def serve(
     forwarded_ids: Annotated[
         str,
         typer.Option(
-            help="on: a decode on vLLM < 0.32 runs the prompt ids the router forwards instead of rendering "
-            "the messages again (vLLM 0.32+ does it itself); off: vLLM as shipped."
+            help="always: a decode runs the prompt ids the router forwards instead of rendering the messages "
+            "again, through agentkv's plugin, which also reads them packed and takes a body cut to its last "
+            "message; on: the same, but vLLM 0.32+'s own code takes them there (as a list, with every "
+            "message); off: vLLM as shipped."
         ),
-    ] = "on",
+    ] = "always",
     fast_json: Annotated[
         bool,
         typer.Option(

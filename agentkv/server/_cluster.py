@@ -85,7 +85,7 @@ class ClusterConfig:
     gpus: list[str] = field(default_factory=list)
     tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
-    forwarded_ids: ForwardedIdsMode = "on"  # the same plugin: decode < 0.32 runs the router's forwarded ids
+    forwarded_ids: ForwardedIdsMode = "always"  # the same plugin: decode runs the router's forwarded ids
     fast_json: bool = True  # the same plugin: request and answer JSON through msgspec in vLLM's API server
     extra_args: list[str] = field(default_factory=list)
     # After extra_args, for one role only (vLLM takes a flag's last value): e.g. a decode that retains

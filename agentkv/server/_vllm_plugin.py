@@ -21,9 +21,10 @@ hop. Decoding the next token needs only a short left context (a byte-level run s
 the stream is primed with the prompt's last N ids instead; upstream proposes the same (vllm-project/vllm#51281
 with 32, #57330 with 128).
 
-**Forwarded prompt ids on decode** (`AGENTKV_FORWARDED_IDS` = `on`, or `always` to use agentkv's even where
-vLLM has its own): on vLLM < 0.32 decode runs the prompt ids the router forwards in `kv_transfer_params`
-instead of rendering and tokenizing the messages again, as vLLM 0.32+ does itself (`_forwarded_ids`).
+**Forwarded prompt ids on decode** (`AGENTKV_FORWARDED_IDS` = `always`, agentkv's launcher's default, or `on`
+to leave vLLM 0.32+'s own code in place): decode runs the prompt ids the router forwards in
+`kv_transfer_params` instead of rendering and tokenizing the messages again, as vLLM 0.32+ does itself
+(`_forwarded_ids`); agentkv's wrapper also takes them packed and a body cut to its last message.
 Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/info`, and `packed_ids`
 where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
 are taken, in the cheaper form where it can.

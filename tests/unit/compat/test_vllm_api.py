@@ -97,6 +97,11 @@ def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(sour
     assert [a.arg for a in ren.args.args[:2]] == ["self", "conversations"], version
     assert "prompt_extras" in [a.arg for a in ren.args.kwonlyargs], version
     assert "renderer.render_chat_async(" in ast.unparse(pre), version
+    # ... and builds the engine input with vLLM's own constructor.
+    engine = tree.module("vllm.inputs.engine")
+    assert engine is not None, version
+    tokens_input = [n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "tokens_input"]
+    assert tokens_input and "cache_salt" in [a.arg for a in tokens_input[0].args.kwonlyargs], version
 
 
 def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_stream(

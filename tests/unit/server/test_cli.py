@@ -284,7 +284,7 @@ def test_serve_switches_the_vllm_plugin_per_engine(engine_envs: list[dict[str, s
         (e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"], e["AGENTKV_FORWARDED_IDS"])
         for e in engine_envs
     ]
-    assert got == [("verify", "0", "off"), ("on", "128", "on")]
+    assert got == [("verify", "0", "off"), ("on", "128", "always")]
     result = invoke("serve", "decode", "--tokenizer-cache", "maybe")
     assert result.exit_code != 0 and "on, off or verify" in flat(result.output)
     result = invoke("serve", "decode", "--forwarded-ids", "maybe")

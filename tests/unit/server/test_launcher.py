@@ -205,7 +205,7 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
     """agentkv's vLLM plugin acts only on its environment variables: the launcher sets them per engine."""
     env = build_command(EngineSpec(role="decode", model="/m", port=1))[1]
     assert env["AGENTKV_TOKENIZER_CACHE"] == "on" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "128"
-    assert env["AGENTKV_FORWARDED_IDS"] == "on" and env["AGENTKV_FAST_JSON"] == "on"
+    assert env["AGENTKV_FORWARDED_IDS"] == "always" and env["AGENTKV_FAST_JSON"] == "on"
     stock = ClusterConfig(
         model="/m",
         device="cpu",
