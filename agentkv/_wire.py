@@ -16,6 +16,7 @@ from typing import Any
 
 __all__ = [
     "CHAT_PATH",
+    "COMPLETIONS_PATH",
     "COUNT_TOKENS_PATH",
     "DECODE_TAIL_KEY",
     "GENERATE_PATH",
@@ -64,7 +65,9 @@ DECODE_TAIL_KEY = "agentkv_decode_tail_tokens"
 # agentkv plugin must run the ids, and answers a 400 rather than render what is left (`cut_messages`).
 MESSAGES_CUT_KEY = "agentkv_messages_cut"
 CHAT_PATH = "/v1/chat/completions"
-TOKEN_PREFILL_PATH = "/v1/completions"
+COMPLETIONS_PATH = "/v1/completions"
+# The prefill hop's id prompt goes to the completions route whatever API the client spoke.
+TOKEN_PREFILL_PATH = COMPLETIONS_PATH
 GENERATE_PATH = "/inference/v1/generate"
 # Anthropic's Messages API, which vLLM serves (and renders, >= 0.32) through its chat machinery.
 MESSAGES_PATH = "/v1/messages"
@@ -73,7 +76,7 @@ COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 RESPONSES_PATH = "/v1/responses"
 _RENDER_PATHS = {
     CHAT_PATH: "/v1/chat/completions/render",
-    "/v1/completions": "/v1/completions/render",
+    COMPLETIONS_PATH: "/v1/completions/render",
     MESSAGES_PATH: "/v1/messages/render",
     RESPONSES_PATH: "/v1/responses/render",
 }

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from agentkv._exceptions import APIStatusError
-from agentkv._wire import CHAT_PATH, COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
+from agentkv._wire import CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, MESSAGES_PATH, RESPONSES_PATH
 
 from ._backend import BackendPool, BackendState
 from ._book import TurnBook
@@ -296,7 +296,7 @@ def create_app(
 
     routes = [
         Route(CHAT_PATH, _completion_route("chat", CHAT_PATH), methods=["POST"]),
-        Route("/v1/completions", _completion_route("completions", "/v1/completions"), methods=["POST"]),
+        Route(COMPLETIONS_PATH, _completion_route("completions", COMPLETIONS_PATH), methods=["POST"]),
         Route(MESSAGES_PATH, _completion_route("messages", MESSAGES_PATH), methods=["POST"]),
         Route(COUNT_TOKENS_PATH, _count_tokens, methods=["POST"]),
         Route(RESPONSES_PATH, _completion_route("responses", RESPONSES_PATH), methods=["POST"]),
