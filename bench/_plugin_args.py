@@ -43,10 +43,10 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--forwarded-ids",
         choices=FORWARDED_IDS_MODES,
-        default="on",
-        help="the reuse legs' decodes on vLLM < 0.32 run the router's forwarded prompt ids instead of "
-        "rendering the messages again (vLLM 0.32+ does it itself); always: agentkv's code on 0.32+ too, "
-        "which also reads the ids packed",
+        default="always",
+        help="the reuse legs' decodes run the router's forwarded prompt ids instead of rendering the "
+        "messages again: always (agentkv's default) through agentkv's wrapper, which also reads them packed "
+        "and takes a body cut to its last message; on: vLLM 0.32+'s own code there",
     )
     add_fast_json_arg(ap)
 

@@ -108,18 +108,42 @@ class Words:
         )
 
 
-def turn_messages(words: Words, tokens: int, message_tokens: int) -> list[dict[str, str]]:
-    """A turn's new text as messages: one user message, or (``message_tokens`` > 0) messages of about that
-    many tokens alternating user and assistant, first and last the user's, as an agent's tool results and
-    answers reach the router. Work that grows with the number of messages (their validation on every hop, the
-    client's own transform) shows only in the second form."""
-    if message_tokens <= 0 or tokens <= message_tokens:
+CALL_TOKENS = 40
+
+
+def turn_messages(
+    words: Words, tokens: int, message_tokens: int, *, first: bool = True
+) -> list[dict[str, Any]]:
+    """A turn's new text as messages: one user message, or (``message_tokens`` > 0) as an agent's: on the
+    first turn the user's task, then tool calls (an assistant message calling ``read_file``) each answered by
+    a tool result of about ``message_tokens`` tokens, the turn ending on a tool result. Work that grows with
+    the number of messages (their validation on every hop, the client's own transform) shows only in the
+    second form."""
+    if message_tokens <= 0 or (first and tokens <= message_tokens):
         return [{"role": "user", "content": words.text(tokens)}]
-    n = -(-tokens // message_tokens)
-    n += 1 - n % 2  # odd: the turn starts and ends with the user's message
-    return [
-        {"role": "user" if i % 2 == 0 else "assistant", "content": words.text(tokens // n)} for i in range(n)
-    ]
+    n = max(1, -(-tokens // message_tokens))
+    messages: list[dict[str, Any]] = [{"role": "user", "content": words.text(tokens // n)}] if first else []
+    # A call and the markers around its result take tokens of their own (~38 with the tiny model's tokenizer):
+    # left out of the result's text, so that a turn keeps about the length asked for.
+    result_tokens = max(16, tokens // n - CALL_TOKENS)
+    for _ in range(n - 1 if first else n):
+        call_id = f"call_{words.rng.randrange(16**12):012x}"
+        arguments = json.dumps({"path": f"src/{words.text(2).replace(' ', '_')}.py"})
+        messages.append(
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": "read_file", "arguments": arguments},
+                    }
+                ],
+            }
+        )
+        messages.append({"role": "tool", "tool_call_id": call_id, "content": words.text(result_tokens)})
+    return messages
 
 
 def stream_turn(
@@ -127,7 +151,7 @@ def stream_turn(
     router: str,
     model: str,
     cid: str,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     out_tokens: int,
 ) -> dict[str, Any]:
     """One streamed turn, timed from the request's send on `client`, a client kept for the whole leg as an
@@ -278,11 +302,13 @@ def run_leg(
                 convs = [[("context", n), ("suffix", n + args.suffix)] for n in lengths]
             for plan in convs:
                 cid = f"{leg}-{conv}-{uuid.uuid4().hex[:8]}"
-                history: list[dict[str, str]] = []
+                history: list[dict[str, Any]] = []
                 have = 0
                 for turn, (label, target) in enumerate(plan):
-                    add = max(16, target - have)
-                    history += turn_messages(words, add, args.message_tokens)
+                    # The agentic suffix is what the turn adds to the history as it is, whatever the context's
+                    # length came to.
+                    add = max(16, args.suffix - args.output_tokens if label == "suffix" else target - have)
+                    history += turn_messages(words, add, args.message_tokens, first=turn == 0)
                     before = scrape(prefill_url)
                     d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                     row = stream_turn(client, router, model, cid, history, args.output_tokens)
@@ -650,8 +676,8 @@ def main(argv: list[str] | None = None) -> None:
         "--message-tokens",
         type=int,
         default=0,
-        help="split each turn's new text into messages of about this many tokens, user and assistant in "
-        "turn, as an agent's history arrives (default 0: one user message a turn)",
+        help="send each turn's new text as an agent's: tool calls answered by tool results of about this "
+        "many tokens, after the user's task on the first turn (default 0: one user message a turn)",
     )
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)

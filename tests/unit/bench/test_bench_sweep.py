@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 from bench.multiturn_sweep import PHASES, Words, phase_split, summarize, turn_messages
@@ -119,11 +120,16 @@ def test_summary_carries_bytes_and_the_two_node_ttft() -> None:
     assert entry["ttft_two_node_ms_off"] is None  # rows written before the model existed
 
 
-def test_a_turns_text_goes_as_one_message_or_as_an_agents_alternating_ones() -> None:
+def test_a_turns_text_goes_as_one_message_or_as_an_agents_tool_calls_and_results() -> None:
     words = Words("no-such-model", seed=0)
     [one] = turn_messages(words, 100, 0)
     assert one["role"] == "user" and one["content"]
     assert len(turn_messages(words, 100, 512)) == 1  # shorter than a message
     many = turn_messages(words, 4096, 512)
-    assert len(many) == 9 and many[0]["role"] == many[-1]["role"] == "user"
-    assert [m["role"] for m in many[:3]] == ["user", "assistant", "user"]
+    assert [m["role"] for m in many] == ["user"] + ["assistant", "tool"] * 7
+    calls = [m["tool_calls"][0] for m in many if m["role"] == "assistant"]
+    assert [m["tool_call_id"] for m in many if m["role"] == "tool"] == [c["id"] for c in calls]
+    assert len({c["id"] for c in calls}) == 7 and json.loads(calls[0]["function"]["arguments"])["path"]
+    # A later turn is the agent's next tool results: no user message, ending on a result.
+    later = turn_messages(words, 512, 512, first=False)
+    assert [m["role"] for m in later] == ["assistant", "tool"] and later[-1]["content"]
