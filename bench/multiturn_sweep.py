@@ -108,11 +108,39 @@ class Words:
         )
 
 
-CALL_TOKENS = 40
+CALL_TOKENS = 40  # the tiny model's chat template; `measure_call_tokens` asks the served model's
+
+
+def _tool_call(call_id: str, path: str) -> dict[str, Any]:
+    arguments = json.dumps({"path": path})
+    return {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": arguments}}
+        ],
+    }
+
+
+def measure_call_tokens(client: httpx.Client, prefill_url: str, model: str) -> int:
+    """The tokens one tool call and the markers around its (empty) result take under the served model's chat
+    template, from prefill's `/tokenize`: what `turn_messages` leaves out of each result's text."""
+
+    def count(messages: list[dict[str, Any]]) -> int:
+        r = client.post(f"{prefill_url}/tokenize", json={"model": model, "messages": messages})
+        r.raise_for_status()
+        return int(r.json()["count"])
+
+    task = [{"role": "user", "content": "task"}]
+    pair = [
+        _tool_call("call_000000000000", "src/main.py"),
+        {"role": "tool", "tool_call_id": "call_000000000000", "content": ""},
+    ]
+    return max(0, count(task + pair) - count(task))
 
 
 def turn_messages(
-    words: Words, tokens: int, message_tokens: int, *, first: bool = True
+    words: Words, tokens: int, message_tokens: int, *, first: bool = True, call_tokens: int = CALL_TOKENS
 ) -> list[dict[str, Any]]:
     """A turn's new text as messages: one user message, or (``message_tokens`` > 0) as an agent's: on the
     first turn the user's task, then tool calls (an assistant message calling ``read_file``) each answered by
@@ -123,25 +151,12 @@ def turn_messages(
         return [{"role": "user", "content": words.text(tokens)}]
     n = max(1, -(-tokens // message_tokens))
     messages: list[dict[str, Any]] = [{"role": "user", "content": words.text(tokens // n)}] if first else []
-    # A call and the markers around its result take tokens of their own (~38 with the tiny model's tokenizer):
-    # left out of the result's text, so that a turn keeps about the length asked for.
-    result_tokens = max(16, tokens // n - CALL_TOKENS)
+    # A call and the markers around its result take tokens of their own: left out of the result's text, so
+    # that a turn keeps about the length asked for.
+    result_tokens = max(16, tokens // n - call_tokens)
     for _ in range(n - 1 if first else n):
         call_id = f"call_{words.rng.randrange(16**12):012x}"
-        arguments = json.dumps({"path": f"src/{words.text(2).replace(' ', '_')}.py"})
-        messages.append(
-            {
-                "role": "assistant",
-                "content": None,
-                "tool_calls": [
-                    {
-                        "id": call_id,
-                        "type": "function",
-                        "function": {"name": "read_file", "arguments": arguments},
-                    }
-                ],
-            }
-        )
+        messages.append(_tool_call(call_id, f"src/{words.text(2).replace(' ', '_')}.py"))
         messages.append({"role": "tool", "tool_call_id": call_id, "content": words.text(result_tokens)})
     return messages
 
@@ -293,6 +308,7 @@ def run_leg(
     with httpx.Client(timeout=600) as client:
         rows: list[dict[str, Any]] = []
         lengths = [int(x) for x in args.lengths.split(",")]
+        per_call = measure_call_tokens(client, prefill_url, model) if args.message_tokens > 0 else CALL_TOKENS
         for conv in range(args.conversations):
             words = Words(args.model, seed=1000 * conv + 7)  # same text in both legs
             if shape == "published":
@@ -308,7 +324,9 @@ def run_leg(
                     # The agentic suffix is what the turn adds to the history as it is, whatever the context's
                     # length came to.
                     add = max(16, args.suffix - args.output_tokens if label == "suffix" else target - have)
-                    history += turn_messages(words, add, args.message_tokens, first=turn == 0)
+                    history += turn_messages(
+                        words, add, args.message_tokens, first=turn == 0, call_tokens=per_call
+                    )
                     before = scrape(prefill_url)
                     d_before = scrape(decode_url) if decode_url else dict.fromkeys(NIXL | PHASES, 0.0)
                     row = stream_turn(client, router, model, cid, history, args.output_tokens)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-from bench.multiturn_sweep import PHASES, Words, phase_split, summarize, turn_messages
+import httpx
+
+from bench.multiturn_sweep import PHASES, Words, measure_call_tokens, phase_split, summarize, turn_messages
 
 
 def _row(leg: str, ttft: float, prefill: float, label: str = "turn2") -> dict[str, object]:
@@ -133,3 +135,17 @@ def test_a_turns_text_goes_as_one_message_or_as_an_agents_tool_calls_and_results
     # A later turn is the agent's next tool results: no user message, ending on a result.
     later = turn_messages(words, 512, 512, first=False)
     assert [m["role"] for m in later] == ["assistant", "tool"] and later[-1]["content"]
+
+
+def test_the_tool_calls_own_tokens_are_asked_of_the_served_template() -> None:
+    def tokenize(request: httpx.Request) -> httpx.Response:
+        messages = json.loads(request.content)["messages"]
+        return httpx.Response(200, json={"count": 3 + 7 * (len(messages) - 1)})  # 7 tokens a message
+
+    with httpx.Client(transport=httpx.MockTransport(tokenize)) as client:
+        per_call = measure_call_tokens(client, "http://p", "m")
+    assert per_call == 14
+    words = Words("no-such-model", seed=0)
+    lean, fat = (turn_messages(words, 4096, 512, call_tokens=c) for c in (per_call, 200))
+    assert len(lean) == len(fat)
+    assert len(lean[-1]["content"].split()) > len(fat[-1]["content"].split())
