@@ -23,7 +23,6 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
-import logging
 import time
 from array import array
 from collections.abc import Sequence
@@ -41,7 +40,6 @@ from agentkv._wire import (
 
 __all__ = ["forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
 
-logger = logging.getLogger("vllm.agentkv.forwarded_ids")
 
 # Set by preprocess_chat for the render_chat_async call it makes (an await in the same task sees it): the
 # ids and the form they came in.
