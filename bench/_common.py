@@ -47,6 +47,7 @@ __all__ = [
     "print_table",
     "results_dir",
     "summarize",
+    "tool_step",
     "versions",
     "write_results",
 ]
@@ -102,6 +103,17 @@ def summarize(values: Sequence[float], *, scale: float = 1.0) -> dict[str, float
         "p99": percentile(values, 99) * scale,
         "max": max(values) * scale,
     }
+
+
+def tool_step(
+    call_id: str, result: str, *, name: str = "search", arguments: str = "{}"
+) -> list[dict[str, Any]]:
+    """One step of an agent's history in OpenAI's chat form: the assistant's tool call, the tool's result."""
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": result},
+    ]
 
 
 def command_line() -> str:

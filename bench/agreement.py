@@ -324,12 +324,6 @@ def _serving(args: argparse.Namespace) -> dict[str, Any]:
     return {"extra_args": list(args.engine_arg)}
 
 
-def _prefill_serving(args: argparse.Namespace) -> dict[str, Any]:
-    """``--prefill-engine-arg`` after every other argument of a P/D cluster's prefill (vLLM takes a flag's
-    last value): an A/B of prefill's own settings against its decode's."""
-    return {"prefill_args": list(args.prefill_engine_arg)}
-
-
 def _pd_side(
     args: argparse.Namespace, seeds: range, logs: Path, kv_config: dict[str, Any], label: str = ""
 ) -> list[dict[str, Any]]:
@@ -348,7 +342,9 @@ def _pd_side(
         log_dir=logs,
         extra_kv_config=kv_config,
         **_serving(args),
-        **_prefill_serving(args),
+        # After every other argument of prefill (vLLM takes a flag's last value): prefill's settings A/B'd
+        # against its decode's.
+        prefill_args=list(args.prefill_engine_arg),
     )
     cluster = Cluster(config=cfg)
     cluster.up()

@@ -30,7 +30,7 @@ import httpx
 import openai
 
 from agentkv.client import Transport
-from bench._common import line_chart, print_table, results_dir, summarize, write_rows
+from bench._common import line_chart, print_table, results_dir, summarize, tool_step, write_rows
 
 NAME = "client_body"
 WORDS = "agent tool search file row column query report number answer table cache block def return".split()
@@ -52,9 +52,7 @@ def conversation(tokens: int, tool_tokens: int, rng: random.Random) -> list[dict
         {"role": "user", "content": text(200)},
     ]
     for step in range(max(1, tokens // tool_tokens)):
-        call = {"id": f"call_{step}", "type": "function", "function": {"name": "search", "arguments": "{}"}}
-        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        messages.append({"role": "tool", "tool_call_id": f"call_{step}", "content": text(tool_tokens)})
+        messages += tool_step(f"call_{step}", text(tool_tokens))
     return messages
 
 

@@ -111,15 +111,10 @@ class Words:
 CALL_TOKENS = 40  # the tiny model's chat template; `measure_call_tokens` asks the served model's
 
 
-def _tool_call(call_id: str, path: str) -> dict[str, Any]:
-    arguments = json.dumps({"path": path})
-    return {
-        "role": "assistant",
-        "content": None,
-        "tool_calls": [
-            {"id": call_id, "type": "function", "function": {"name": "read_file", "arguments": arguments}}
-        ],
-    }
+def _read_file(call_id: str, path: str, result: str) -> list[dict[str, Any]]:
+    from bench._common import tool_step
+
+    return tool_step(call_id, result, name="read_file", arguments=json.dumps({"path": path}))
 
 
 def measure_call_tokens(client: httpx.Client, prefill_url: str, model: str) -> int:
@@ -132,11 +127,7 @@ def measure_call_tokens(client: httpx.Client, prefill_url: str, model: str) -> i
         return int(r.json()["count"])
 
     task = [{"role": "user", "content": "task"}]
-    pair = [
-        _tool_call("call_000000000000", "src/main.py"),
-        {"role": "tool", "tool_call_id": "call_000000000000", "content": ""},
-    ]
-    return max(0, count(task + pair) - count(task))
+    return max(0, count(task + _read_file("call_000000000000", "src/main.py", "")) - count(task))
 
 
 def turn_messages(
@@ -156,8 +147,8 @@ def turn_messages(
     result_tokens = max(16, tokens // n - call_tokens)
     for _ in range(n - 1 if first else n):
         call_id = f"call_{words.rng.randrange(16**12):012x}"
-        messages.append(_tool_call(call_id, f"src/{words.text(2).replace(' ', '_')}.py"))
-        messages.append({"role": "tool", "tool_call_id": call_id, "content": words.text(result_tokens)})
+        path = f"src/{words.text(2).replace(' ', '_')}.py"
+        messages += _read_file(call_id, path, words.text(result_tokens))
     return messages
 
 
