@@ -25,6 +25,7 @@ __all__ = [
     "MESSAGES_PATH",
     "OFFER_DECODED_KEY",
     "PACKED_IDS_KEY",
+    "PREFILL_TOKEN_KEY",
     "PROMPT_IDS_KEY",
     "RESPONSES_PATH",
     "RETAIN_KEY",
@@ -37,6 +38,7 @@ __all__ = [
     "pack_ids",
     "prefill_body",
     "prefill_params",
+    "prefill_token",
     "render_path",
     "rendered_request",
     "reusable_tokens",
@@ -64,6 +66,9 @@ DECODE_TAIL_KEY = "agentkv_decode_tail_tokens"
 # Says that a chat decode hop carries only the conversation's last message beside the packed ids: decode's
 # agentkv plugin must run the ids, and answers a 400 rather than render what is left (`cut_messages`).
 MESSAGES_CUT_KEY = "agentkv_messages_cut"
+# The token prefill sampled, for a decode that starts from it instead of computing the prompt's last token
+# again (`agentkv.server._prefill_token`); a decode without agentkv's plugin ignores it.
+PREFILL_TOKEN_KEY = "agentkv_prefill_token"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 # The prefill hop's id prompt goes to the completions route whatever API the client spoke.
@@ -133,6 +138,7 @@ def decode_body(
     prompt_ids: Sequence[int] | None = None,
     pack: bool = False,
     offer_decoded: bool | None = None,
+    prefill_token: int | None = None,
 ) -> dict[str, Any]:
     out = dict(body)
     if cache_salt is not None:
@@ -140,7 +146,9 @@ def decode_body(
         # token from prefill, never KV it computed itself (exact mode; a client's salt is kept on prefill).
         out["cache_salt"] = cache_salt
     # Without P's params (P not a producer) D prefills itself; asking it to retain still enables reuse.
-    base = dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}
+    base: dict[str, Any] = dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}
+    if prefill_kv and prefill_token is not None:
+        base[PREFILL_TOKEN_KEY] = prefill_token  # only beside prefill's blocks: decode loads them, then it
     out[KV_KEY] = _decode_params(base, prompt_ids=prompt_ids, pack=pack, offer_decoded=offer_decoded)
     return out
 
@@ -343,8 +351,38 @@ def token_prefill(
         out |= {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0, "detokenize": False}}
         path = GENERATE_PATH
     else:
-        out |= {"prompt": ids, "max_tokens": 1, "temperature": 0}
+        # The one token as an id (`prefill_token`), through its logprob: `return_token_ids` would send the
+        # whole prompt's ids back as well.
+        out |= {
+            "prompt": ids,
+            "max_tokens": 1,
+            "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
         path = TOKEN_PREFILL_PATH
     if rendered.get("cache_salt") is not None:
         out["cache_salt"] = rendered["cache_salt"]
     return path, out
+
+
+def prefill_token(answer: dict[str, Any]) -> int | None:
+    """The one token a token-path prefill hop (`token_prefill`) sampled, where decode may start from it: it
+    ended on the length limit (not a stop token, which ends the answer there) and came as an id."""
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+    if not isinstance(choice, dict) or choice.get("finish_reason") != "length":
+        return None
+    ids = choice.get("token_ids")  # the generate route
+    if ids is None:  # the completions route: "token_id:N" as its logprob's token
+        logprobs = choice.get("logprobs")
+        tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
+        if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], str):
+            return None
+        name, _, number = tokens[0].partition(":")
+        ids = [int(number)] if name == "token_id" and number.isdigit() else None
+    if not isinstance(ids, list) or len(ids) != 1:
+        return None
+    token = ids[0]
+    # bool is an int subclass, hence the exact type check.
+    return token if type(token) is int and token >= 0 else None

@@ -87,6 +87,7 @@ class ClusterConfig:
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     forwarded_ids: ForwardedIdsMode = "always"  # the same plugin: decode runs the router's forwarded ids
     fast_json: bool = True  # the same plugin: request and answer JSON through msgspec in vLLM's API server
+    prefill_token: bool = True  # the same plugin: decode starts from the token prefill sampled
     extra_args: list[str] = field(default_factory=list)
     # After extra_args, for one role only (vLLM takes a flag's last value): e.g. a decode that retains
     # conversations gets more of a shared GPU's KV memory than its prefill.
@@ -194,6 +195,7 @@ class ClusterConfig:
             detokenizer_prime_tokens=self.detokenizer_prime_tokens,
             forwarded_ids=self.forwarded_ids,
             fast_json=self.fast_json,
+            prefill_token=self.prefill_token,
             extra_kv_config=dict(self.extra_kv_config),
             env={**float_env, **self.env},
         )

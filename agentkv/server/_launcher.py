@@ -32,6 +32,7 @@ from agentkv.server._vllm_plugin import (
     ENV_FAST_JSON,
     ENV_FORWARDED_IDS,
     ENV_MODE,
+    ENV_PREFILL_TOKEN,
     ENV_PRIME,
     ForwardedIdsMode,
     TokenizerCacheMode,
@@ -109,6 +110,8 @@ class EngineSpec:
     forwarded_ids: ForwardedIdsMode = "always"
     # Request bodies parsed and JSON answers encoded with msgspec in vLLM's API server (same plugin).
     fast_json: bool = True
+    # Decode starts from the token prefill sampled where the router forwards it (same plugin).
+    prefill_token: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -220,6 +223,7 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         ENV_PRIME: str(spec.detokenizer_prime_tokens),
         ENV_FORWARDED_IDS: spec.forwarded_ids,
         ENV_FAST_JSON: "on" if spec.fast_json else "off",
+        ENV_PREFILL_TOKEN: "on" if spec.prefill_token else "off",
     }
     if spec.device == "cpu":
         env.update(

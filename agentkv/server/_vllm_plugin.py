@@ -29,6 +29,11 @@ Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/
 where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
 are taken, in the cheaper form where it can.
 
+**Decode starts from prefill's token** (`AGENTKV_PREFILL_TOKEN` = `on`): where the router forwards the
+token prefill sampled, decode takes it as its prompt's last id instead of computing that token again, and
+puts it back at the answer's front (`_prefill_token`), so that a P/D answer computes what one server
+computes. Counted by `agentkv_prefill_tokens_total{result}` (used, or why not).
+
 **JSON through msgspec** (`AGENTKV_FAST_JSON` = `on`): starlette's `Request.json`, which parses every
 request body in vLLM's API server, uses msgspec where it can and `json.loads` where msgspec refuses, and
 `JSONResponse.render` encodes with msgspec where that gives the standard library's values (`_fast_json`):
@@ -52,6 +57,7 @@ __all__ = [
     "ENV_FORWARDED_IDS",
     "ENV_MAX_MB",
     "ENV_MODE",
+    "ENV_PREFILL_TOKEN",
     "ENV_PRIME",
     "FORWARDED_IDS_MODES",
     "TOKENIZER_CACHE_MODES",
@@ -68,6 +74,7 @@ ENV_MODE = "AGENTKV_TOKENIZER_CACHE"
 ENV_PRIME = "AGENTKV_DETOKENIZER_PRIME_TOKENS"
 ENV_FORWARDED_IDS = "AGENTKV_FORWARDED_IDS"
 ENV_FAST_JSON = "AGENTKV_FAST_JSON"
+ENV_PREFILL_TOKEN = "AGENTKV_PREFILL_TOKEN"
 ForwardedIdsMode = Literal["on", "off", "always"]  # unset means off
 FORWARDED_IDS_MODES: tuple[str, ...] = get_args(ForwardedIdsMode)
 DEFAULT_PRIME_TOKENS = 128
@@ -123,6 +130,11 @@ class _Counters:
         self.cut_conversations = Counter(
             "agentkv_cut_conversations",
             "Of those, chat requests the router cut to their last message (`agentkv._wire.cut_messages`)",
+        )
+        self.prefill_tokens = Counter(
+            "agentkv_prefill_tokens",
+            "Requests that came with prefill's token (`_prefill_token`): used, or why vLLM's own path ran",
+            ["result"],
         )
 
     def __call__(self, result: str, reused: int, tokenized: int) -> None:
@@ -296,6 +308,10 @@ def register() -> None:
         from agentkv.server import _forwarded_ids
 
         _forwarded_ids.install(always=forwarded == "always")
+    if _switch(ENV_PREFILL_TOKEN, unknown="decode computes the prompt's last token again") is not None:
+        from agentkv.server import _prefill_token
+
+        _prefill_token.install()
     mode = _mode()
     if mode is None:
         return

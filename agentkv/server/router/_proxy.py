@@ -23,6 +23,7 @@ from agentkv._wire import (
     decode_local_body,
     prefill_body,
     prefill_params,
+    prefill_token,
     rendered_request,
     reusable_tokens,
     token_prefill,
@@ -370,6 +371,8 @@ class TurnRunner:
             prompt_ids=turn.forwarded_ids(),
             pack=turn.pack_ids,
             offer_decoded=not self._s.exact,
+            # Token ids in both hops: prefill sampled greedily what decode may start from.
+            prefill_token=prefill_token(answer) if self._s.prefill_token and rendered is not None else None,
         )
         # The whole body stays for a decode the hop fails over to: only `decode` said it takes a cut one.
         cut = cut_messages(body) if turn.cut_messages else body

@@ -90,6 +90,10 @@ class RouterSettings(BaseSettings):
     # On the token path, a chat decode hop carries only the conversation's last message beside the packed ids,
     # where decode's plugin says it takes that (`agentkv._wire.cut_messages`); off sends every message.
     cut_messages: bool = True
+    # On the token path, decode starts from the token prefill sampled instead of computing the prompt's last
+    # token again, where its plugin can put that token back at the answer's front
+    # (`agentkv.server._prefill_token`): a P/D answer then computes what one server computes.
+    prefill_token: bool = True
     # Off (the default): vLLM's own prefix-cache semantics. Only KV of exactly the same token prefix is reused
     # (token ids checked here, block fingerprints on prefill), including KV decode computed itself: decode
     # keeps its prefix cache (prefill sends only what it lacks), offers its answer's KV, and short suffixes

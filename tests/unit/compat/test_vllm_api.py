@@ -104,6 +104,36 @@ def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(sour
     assert tokens_input and "cache_salt" in [a.arg for a in tokens_input[0].args.kwonlyargs], version
 
 
+def test_the_engine_client_the_plugin_wraps_for_prefills_token_takes_and_yields_what_it_reads(
+    source: tuple[str, Path],
+) -> None:
+    """`agentkv/server/_prefill_token.py` wraps `AsyncLLM.generate` by position (prompt, sampling params,
+    request id), reads the block size off `vllm_config.cache_config` and the tokenizer off the client, and
+    rewrites `prompt_token_ids` on each `RequestOutput` and `token_ids`/`text` on its `CompletionOutput`s;
+    the serving layers hand it a token engine input (a dict with `prompt_token_ids`)."""
+    version, root = source
+    tree = Tree(root)
+    client = tree.cls("vllm.v1.engine.async_llm", "AsyncLLM")
+    assert client is not None, version
+    generate = client.method("generate")
+    assert isinstance(generate, ast.AsyncFunctionDef), version
+    assert [a.arg for a in generate.args.args[:4]] == ["self", "prompt", "sampling_params", "request_id"]
+    assert client.has_member("vllm_config") and client.method("tokenizer") is not None, version
+    for cls, names in (
+        ("RequestOutput", ("prompt_token_ids", "outputs")),
+        ("CompletionOutput", ("token_ids", "text")),
+    ):
+        info = tree.cls("vllm.outputs", cls)
+        assert info is not None and all(info.has_member(n) for n in names), (version, cls)
+    params = tree.cls("vllm.sampling_params", "SamplingParams")
+    assert params is not None and params.method("clone") is not None, version
+    for name in ("n", "temperature", "logprobs", "stop", "stop_token_ids", "max_tokens", "min_tokens"):
+        assert params.has_member(name), (version, name)
+    assert "DELTA" in ast.unparse(tree.cls("vllm.sampling_params", "RequestOutputKind").node), version
+    engine = tree.module("vllm.inputs.engine")
+    assert engine is not None and "prompt_token_ids" in ast.unparse(engine), version
+
+
 def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_stream(
     source: tuple[str, Path],
 ) -> None:

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from agentkv._wire import (
     MESSAGES_CUT_KEY,
     PACKED_IDS_KEY,
+    PREFILL_TOKEN_KEY,
+    decode_body,
     pack_ids,
+    prefill_token,
     rendered_request,
     token_prefill,
     unpack_ids,
@@ -327,6 +330,8 @@ def test_token_prefill_asks_for_one_token_from_the_ids_on_either_route() -> None
             "prompt": [5, 6],
             "max_tokens": 1,
             "temperature": 0,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
             "stream": False,
             "kv_transfer_params": {"do_remote_decode": True},
             "cache_salt": "s1",
@@ -442,3 +447,28 @@ async def test_a_prefill_without_the_messages_render_keeps_rendering_chat(
     assert engines.requests("p", "/v1/messages/render")  # tried, refused (404)
     assert r1.status_code == 200 and "x-agentkv-render-ms" in r1.headers
     assert engines.requests("p", RENDER) and engines.requests("p", GENERATE)
+
+
+def test_the_token_prefill_sampled_is_read_from_either_route_where_decode_may_start_from_it() -> None:
+    def answer(choice: dict[str, Any]) -> dict[str, Any]:
+        return {"choices": [{"index": 0, **choice}]}
+
+    assert prefill_token(answer({"finish_reason": "length", "token_ids": [7]})) == 7
+    completions = {"finish_reason": "length", "text": "x", "logprobs": {"tokens": ["token_id:9"]}}
+    assert prefill_token(answer(completions)) == 9
+    # A stop token ends the answer there: decode runs as vLLM ships.
+    assert prefill_token(answer({"finish_reason": "stop", "token_ids": [2]})) is None
+    for odd in ([], [7, 8], [True], [-1], ["7"]):
+        assert prefill_token(answer({"finish_reason": "length", "token_ids": odd})) is None, odd
+    for tokens in (["7"], ["token_id:x"], ["token_id:-1"], [], None):
+        assert prefill_token(answer({"finish_reason": "length", "logprobs": {"tokens": tokens}})) is None
+    assert prefill_token({"choices": []}) is None and prefill_token({}) is None
+
+
+def test_decode_is_sent_prefills_token_only_beside_prefills_blocks() -> None:
+    kv = {"remote_block_ids": [1], "do_remote_prefill": True}
+    sent = decode_body({"model": "m"}, kv, prefill_token=7)
+    assert sent["kv_transfer_params"][PREFILL_TOKEN_KEY] == 7 and PREFILL_TOKEN_KEY not in kv
+    # No blocks from prefill: decode prefills the prompt itself and samples token 1 there.
+    assert PREFILL_TOKEN_KEY not in decode_body({"model": "m"}, None, prefill_token=7)["kv_transfer_params"]
+    assert PREFILL_TOKEN_KEY not in decode_body({"model": "m"}, kv)["kv_transfer_params"]

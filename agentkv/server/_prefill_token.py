@@ -1,0 +1,181 @@
+"""Decode starts from the token prefill sampled, as one server would (part of agentkv's vLLM plugin,
+`_vllm_plugin`, switched on by `AGENTKV_PREFILL_TOKEN`).
+
+In vLLM's P/D, prefill computes the whole prompt and samples token 1, which is thrown away; decode loads all
+of the prompt's KV but its last token's, computes that token again in a decode step (a batch of one-token
+rows, not the prompt's prefill) and samples token 1 itself. One server computes the last prompt token inside
+the prefill and samples token 1 there. Those two computations round differently, and greedy answers then
+part in about one turn in ten (bench/README.md, "agreement: decode starting from prefill's token"). Here
+decode takes prefill's token 1 (the router forwards it in `kv_transfer_params`, `PREFILL_TOKEN_KEY`) as
+the last id of its prompt: it loads exactly the KV prefill computed and computes token 1's KV in its first
+step, as one server computes its first decode step.
+
+How: `AsyncLLM.generate` (0.26-0.34), below vLLM's serving layer, appends token 1 to the engine prompt,
+asks for one token fewer, and puts token 1 back at the front of the answer (its id and its text, decoded
+against the prompt's tail) with the prompt's ids as they came. The serving layer above sees an ordinary
+answer: tool and reasoning parsers, `usage` and the chat chunks need nothing.
+
+Where one server's token 1 would not be prefill's, or the answer's start is read by something this cannot
+put back, decode runs as vLLM ships (`_refusal` names each case): sampling that is not greedy (prefill
+samples greedily), penalties, logprobs, stop strings, structured output, several choices, a token 1 that is
+a stop token or part of a character, and a prompt of whole blocks (decode would need one block more than
+prefill hands on, and vLLM's NIXL worker stops the engine on that).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from agentkv._exceptions import EngineVersionError
+from agentkv._wire import KV_KEY, PREFILL_TOKEN_KEY
+
+__all__ = ["install", "refusal"]
+
+logger = logging.getLogger("vllm.agentkv.prefill_token")
+
+_GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
+_TAIL = 8  # the prompt ids token 1's text is decoded against (a byte-level run spans a few ids)
+
+
+def refusal(params: Any, token: int, prompt_ids: Sequence[int], *, block_size: int | None) -> str | None:
+    """Why decode must run this request as vLLM ships instead of from prefill's `token` (a short reason
+    for the counter), or None where it may. `params` is the request's `SamplingParams`."""
+    if getattr(params, "n", 1) != 1:
+        return "choices"
+    if getattr(params, "temperature", 1.0) >= _GREEDY_BELOW:
+        return "sampling"
+    if (
+        getattr(params, "presence_penalty", 0.0)
+        or getattr(params, "frequency_penalty", 0.0)
+        or getattr(params, "repetition_penalty", 1.0) != 1.0
+    ):
+        return "penalties"
+    if getattr(params, "logprobs", None) is not None or getattr(params, "prompt_logprobs", None) is not None:
+        return "logprobs"
+    if getattr(params, "stop", None):
+        return "stop strings"
+    # Prefill chose token 1 without any of these.
+    for name in (
+        "structured_outputs",
+        "guided_decoding",
+        "logit_bias",
+        "allowed_token_ids",
+        "bad_words",
+        "logits_processors",
+        "thinking_token_budget",
+    ):
+        if getattr(params, name, None):
+            return "constraints"
+    if token in (getattr(params, "stop_token_ids", None) or ()):
+        return "stop token"
+    max_tokens = getattr(params, "max_tokens", None)
+    if max_tokens is not None and max_tokens < 2:
+        return "one token"
+    if block_size is None or not prompt_ids or len(prompt_ids) % block_size == 0:
+        return "whole blocks"
+    return None
+
+
+def _token_text(tokenizer: Any, tail: Sequence[int], token: int, params: Any) -> str | None:
+    """Token 1's text as vLLM's detokenizer gives the first output token: the text of the prompt's tail with
+    it, less the text without it. None where that is not a clean extension (part of a character) or there
+    is no tokenizer to decode with."""
+    if not getattr(params, "detokenize", True):
+        return ""
+    if tokenizer is None:
+        return None
+    skip = bool(getattr(params, "skip_special_tokens", True))
+    before = tokenizer.decode(list(tail), skip_special_tokens=skip)
+    after = tokenizer.decode([*tail, token], skip_special_tokens=skip)
+    if not after.startswith(before) or after.endswith("\ufffd"):
+        return None
+    return str(after[len(before) :])
+
+
+def _take_token(params: Any) -> int | None:
+    """Pop prefill's token off the request's `kv_transfer_params` (it never reaches the engine): the id, or
+    None where none came or it is not an id."""
+    extra = getattr(params, "extra_args", None)
+    kv = extra.get(KV_KEY) if isinstance(extra, dict) else None
+    if not isinstance(kv, dict):
+        return None
+    token = kv.pop(PREFILL_TOKEN_KEY, None)
+    # bool is an int subclass, hence the exact type check.
+    return token if type(token) is int and token >= 0 else None
+
+
+def _count(result: str) -> None:
+    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
+
+    if (counters := _counters()) is not None:
+        counters.prefill_tokens.labels(result=result).inc()
+
+
+def _block_size(engine: Any) -> int | None:
+    size = getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "block_size", None)
+    return size if isinstance(size, int) and size > 0 else None
+
+
+def _wrap_generate(original: Any, delta_kind: Any) -> Any:
+    @functools.wraps(original)
+    async def generate(
+        self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
+        token = _take_token(sampling_params)
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
+        if token is None or not isinstance(ids, list):
+            async for out in original(self, prompt, sampling_params, request_id, *args, **kwargs):
+                yield out
+            return
+        reason = refusal(sampling_params, token, ids, block_size=_block_size(self))
+        text = None
+        if reason is None:
+            text = _token_text(getattr(self, "tokenizer", None), ids[-_TAIL:], token, sampling_params)
+            if text is None:
+                reason = "text"
+        _count(reason or "used")
+        if reason is not None:
+            async for out in original(self, prompt, sampling_params, request_id, *args, **kwargs):
+                yield out
+            return
+        # The serving layer keeps its own (`clone`: vLLM's copy, which shares logits processors).
+        params = sampling_params.clone() if hasattr(sampling_params, "clone") else copy.copy(sampling_params)
+        if params.max_tokens is not None:
+            params.max_tokens -= 1
+        if getattr(params, "min_tokens", 0):
+            params.min_tokens -= 1
+        engine_prompt = {**prompt, "prompt_token_ids": [*ids, token]}
+        delta = getattr(params, "output_kind", None) == delta_kind
+        first = True
+        async for out in original(self, engine_prompt, params, request_id, *args, **kwargs):
+            out.prompt_token_ids = ids
+            if first or not delta:  # a delta answer carries token 1 once; a cumulative one every time
+                for choice in out.outputs:
+                    choice.token_ids = [token, *choice.token_ids]
+                    choice.text = text + choice.text
+            first = False
+            yield out
+
+    generate.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return generate
+
+
+def install() -> None:
+    """Wrap `AsyncLLM.generate` (0.26-0.34); raises `EngineVersionError` where it is not there."""
+    try:
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        original = AsyncLLM.generate
+        delta_kind = RequestOutputKind.DELTA
+    except (ImportError, AttributeError) as exc:
+        raise EngineVersionError(
+            f"AGENTKV_PREFILL_TOKEN: this vLLM's engine client is not where agentkv's plugin wraps it "
+            f"({exc}); set AGENTKV_PREFILL_TOKEN=off to leave it as shipped"
+        ) from exc
+    if not getattr(original, "agentkv_wrapped", False):
+        AsyncLLM.generate = _wrap_generate(original, delta_kind)  # type: ignore[method-assign]

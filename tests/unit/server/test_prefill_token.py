@@ -1,0 +1,173 @@
+"""`agentkv.server._prefill_token` alone: when decode may start from prefill's token, and how the answer is
+put back together. A stand-in engine client; the real one: tests/integration/test_prefill_token.py."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import pytest
+
+from agentkv._wire import KV_KEY, PREFILL_TOKEN_KEY
+from agentkv.server._prefill_token import _token_text, _wrap_generate, refusal
+
+DELTA, FINAL = "delta", "final"
+
+
+@dataclass
+class Params:
+    """The `SamplingParams` fields the handoff reads, at vLLM's defaults but greedy."""
+
+    n: int = 1
+    temperature: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    structured_outputs: Any = None
+    logit_bias: Any = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    output_kind: str = DELTA
+    extra_args: dict[str, Any] | None = None
+
+
+PROMPT = [1, 2, 3, 4, 5]  # not whole blocks of 4
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({}, None),
+        ({"n": 2}, "choices"),
+        ({"temperature": 0.7}, "sampling"),
+        ({"presence_penalty": 0.5}, "penalties"),
+        ({"repetition_penalty": 1.1}, "penalties"),
+        ({"logprobs": 0}, "logprobs"),
+        ({"prompt_logprobs": 1}, "logprobs"),
+        ({"stop": ["\n"]}, "stop strings"),
+        ({"structured_outputs": object()}, "constraints"),
+        ({"logit_bias": {9: 1.0}}, "constraints"),
+        ({"stop_token_ids": [9]}, "stop token"),
+        ({"max_tokens": 1}, "one token"),
+        ({"max_tokens": None}, None),  # vLLM fills in the rest of the context
+    ],
+)
+def test_decode_starts_from_prefills_token_only_where_one_server_would_have_sampled_it(
+    change: dict[str, Any], reason: str | None
+) -> None:
+    assert refusal(replace(Params(), **change), 9, PROMPT, block_size=4) == reason
+
+
+def test_a_prompt_of_whole_blocks_or_an_unknown_block_size_runs_as_vllm_ships() -> None:
+    assert refusal(Params(), 9, PROMPT[:4], block_size=4) == "whole blocks"
+    assert refusal(Params(), 9, PROMPT, block_size=None) == "whole blocks"
+    assert refusal(Params(), 9, [], block_size=4) == "whole blocks"
+
+
+class Tokenizer:
+    """Ids to text as a byte-level tokenizer would: 7 is half of a character, 8 a special token."""
+
+    pieces = {1: "a", 2: " b", 3: "c", 4: "d", 5: " e", 9: " f", 8: "<s>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if 7 in ids:
+            return "".join(self.pieces.get(i, "") for i in ids if i != 7) + "\ufffd"
+        return "".join("" if i == 8 and skip_special_tokens else self.pieces[i] for i in ids)
+
+
+def test_token_one_is_decoded_against_the_prompts_tail() -> None:
+    assert _token_text(Tokenizer(), [4, 5], 9, Params()) == " f"
+    assert _token_text(Tokenizer(), [4, 5], 8, Params()) == ""
+    assert _token_text(Tokenizer(), [4, 5], 8, Params(skip_special_tokens=False)) == "<s>"
+    assert _token_text(Tokenizer(), [4, 5], 7, Params()) is None  # part of a character
+    assert _token_text(None, [4, 5], 9, Params()) is None
+    assert _token_text(None, [4, 5], 9, Params(detokenize=False)) == ""
+
+
+@dataclass
+class Choice:
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class Output:
+    prompt_token_ids: list[int]
+    outputs: list[Choice]
+
+
+class Engine:
+    """An engine client whose `generate` answers 10, 11, 12 after whatever prompt it is given."""
+
+    tokenizer = Tokenizer()
+
+    def __init__(self, block_size: int = 4) -> None:
+        self.vllm_config = type("C", (), {"cache_config": type("B", (), {"block_size": block_size})})()
+        self.seen: list[tuple[Any, Any]] = []
+
+    async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+        self.seen.append((prompt, params))
+        answer = [10, 11, 12][: params.max_tokens]
+        for n in range(1, len(answer) + 1):
+            step = answer[n - 1 : n] if params.output_kind == DELTA else answer[:n]
+            yield Output(
+                list(prompt["prompt_token_ids"]), [Choice(list(step), "".join(f"<{i}>" for i in step))]
+            )
+
+
+def _run(engine: Engine, params: Params, token: int | None) -> list[Output]:
+    generate = _wrap_generate(Engine.generate, DELTA)
+    params.extra_args = {KV_KEY: {"remote_block_ids": [1]}}
+    if token is not None:
+        params.extra_args[KV_KEY][PREFILL_TOKEN_KEY] = token
+
+    async def collect() -> list[Output]:
+        return [
+            out async for out in generate(engine, {"type": "token", "prompt_token_ids": PROMPT}, params, "r")
+        ]
+
+    return asyncio.run(collect())
+
+
+@pytest.mark.parametrize("kind", [DELTA, FINAL])
+def test_the_answer_starts_with_prefills_token_and_the_prompt_is_given_back_as_it_came(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted: list[str] = []
+    monkeypatch.setattr("agentkv.server._prefill_token._count", counted.append)
+    engine = Engine()
+    params = Params(output_kind=kind, max_tokens=3)
+    outs = _run(engine, params, 9)
+    ((prompt, sent),) = engine.seen
+    # The engine ran the prompt with token 1 as its last id, for one token fewer; the key never reached it.
+    assert prompt["prompt_token_ids"] == [*PROMPT, 9] and sent.max_tokens == 2 and params.max_tokens == 3
+    assert PREFILL_TOKEN_KEY not in sent.extra_args[KV_KEY]
+    assert all(out.prompt_token_ids == PROMPT for out in outs)
+    if kind == DELTA:
+        assert [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs] == [
+            ([9, 10], " f<10>"),
+            ([11], "<11>"),
+        ]
+    else:
+        assert (outs[-1].outputs[0].token_ids, outs[-1].outputs[0].text) == ([9, 10, 11], " f<10><11>")
+    assert counted == ["used"]
+
+
+def test_a_refused_or_absent_token_leaves_the_request_as_it_came(monkeypatch: pytest.MonkeyPatch) -> None:
+    counted: list[str] = []
+    monkeypatch.setattr("agentkv.server._prefill_token._count", counted.append)
+    for params, token in ((Params(logprobs=1), 9), (Params(), 7), (Params(), None), (Params(), True)):
+        engine = Engine()
+        outs = _run(engine, params, token)  # type: ignore[arg-type]
+        ((prompt, sent),) = engine.seen
+        assert prompt["prompt_token_ids"] == PROMPT and sent is params and sent.max_tokens == 16
+        assert PREFILL_TOKEN_KEY not in sent.extra_args[KV_KEY]
+        assert [o.outputs[0].token_ids for o in outs] == [[10], [11], [12]]
+    assert counted == ["logprobs", "text"]  # neither an absent token nor a non-id is counted
