@@ -2,8 +2,8 @@
 # On the lent GPU host: scripts/gpu/sweep.sh with py-spy sampling every vLLM API server and the router, to
 # say where the time of a hop goes outside the engines (render, tokenizer, JSON, detokenizer).
 #   SPY=path/to/py-spy bash scripts/gpu/profile.sh OUT LEGS SHAPES [extra multiturn_sweep flags]
-# SPY_SUBPROCESSES=1 samples each server's engine core and worker processes too (where the engine's own
-# time goes beside the GPU's).
+# SPY_RATE: samples per second (200). SPY_SUBPROCESSES=1 samples each server's engine core and worker
+# processes too (where the engine's own time goes beside the GPU's).
 # py-spy is one static binary: carry it along (e.g. in .spy/). Profiles (py-spy raw format, one per process,
 # named role-pid, with the process's command line beside it) come back as OUT/spy.tgz; summarise them with
 # `python -m bench.spy_summary DIR`.
@@ -27,7 +27,7 @@ rm -rf "$D"; mkdir -p "$D" "$OUT"
       esac
       echo "$cmd" > "$D/$role-$pid.cmd"
       # --nonblocking: never pause the server being measured.
-      "$SPY" record --nonblocking ${SPY_SUBPROCESSES:+--subprocesses} -r 200 -f raw -o "$D/$role-$pid.txt" \
+      "$SPY" record --nonblocking ${SPY_SUBPROCESSES:+--subprocesses} -r "${SPY_RATE:-200}" -f raw -o "$D/$role-$pid.txt" \
         -p "$pid" -d 590 >/dev/null 2>&1 &
     done
     sleep 1
