@@ -24,6 +24,7 @@ prefill hands on, and vLLM's NIXL worker stops the engine on that).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -121,16 +122,16 @@ def _block_size(engine: Any) -> int | None:
 
 
 def _wrap_generate(original: Any, delta_kind: Any) -> Any:
+    # A plain function returning vLLM's own generator wherever decode does not start from prefill's token,
+    # so those requests run vLLM's code with no layer between it and the serving layer.
     @functools.wraps(original)
-    async def generate(
+    def generate(
         self: Any, prompt: Any, sampling_params: Any, request_id: str, *args: Any, **kwargs: Any
-    ) -> AsyncGenerator[Any, None]:
+    ) -> Any:
         token = _take_token(sampling_params)
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else None
         if token is None or not isinstance(ids, list):
-            async for out in original(self, prompt, sampling_params, request_id, *args, **kwargs):
-                yield out
-            return
+            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
         reason = refusal(sampling_params, token, ids, block_size=_block_size(self))
         text = None
         if reason is None:
@@ -138,30 +139,41 @@ def _wrap_generate(original: Any, delta_kind: Any) -> Any:
             if text is None:
                 reason = "text"
         _count(reason or "used")
-        if reason is not None:
-            async for out in original(self, prompt, sampling_params, request_id, *args, **kwargs):
-                yield out
-            return
+        if reason is not None or text is None:
+            return original(self, prompt, sampling_params, request_id, *args, **kwargs)
         # The serving layer keeps its own (`clone`: vLLM's copy, which shares logits processors).
         params = sampling_params.clone() if hasattr(sampling_params, "clone") else copy.copy(sampling_params)
         if params.max_tokens is not None:
             params.max_tokens -= 1
         if getattr(params, "min_tokens", 0):
             params.min_tokens -= 1
-        engine_prompt = {**prompt, "prompt_token_ids": [*ids, token]}
-        delta = getattr(params, "output_kind", None) == delta_kind
-        first = True
-        async for out in original(self, engine_prompt, params, request_id, *args, **kwargs):
+        answers = original(
+            self, {**prompt, "prompt_token_ids": [*ids, token]}, params, request_id, *args, **kwargs
+        )
+        return _with_token(
+            answers, ids, token, text, delta=getattr(params, "output_kind", None) == delta_kind
+        )
+
+    generate.agentkv_wrapped = True  # type: ignore[attr-defined]
+    return generate
+
+
+async def _with_token(
+    answers: Any, ids: list[int], token: int, text: str, *, delta: bool
+) -> AsyncGenerator[Any, None]:
+    """vLLM's outputs with token 1 back at the front: a delta answer carries it once, a cumulative one every
+    time; the prompt's ids as they came. Closing this closes vLLM's generator at once (which aborts the
+    request in the engine), as the serving layer does when a client goes away."""
+    first = True
+    async with contextlib.aclosing(answers):
+        async for out in answers:
             out.prompt_token_ids = ids
-            if first or not delta:  # a delta answer carries token 1 once; a cumulative one every time
+            if first or not delta:
                 for choice in out.outputs:
                     choice.token_ids = [token, *choice.token_ids]
                     choice.text = text + choice.text
             first = False
             yield out
-
-    generate.agentkv_wrapped = True  # type: ignore[attr-defined]
-    return generate
 
 
 def install() -> None:

@@ -171,3 +171,30 @@ def test_a_refused_or_absent_token_leaves_the_request_as_it_came(monkeypatch: py
         assert PREFILL_TOKEN_KEY not in sent.extra_args[KV_KEY]
         assert [o.outputs[0].token_ids for o in outs] == [[10], [11], [12]]
     assert counted == ["logprobs", "text"]  # neither an absent token nor a non-id is counted
+
+
+def test_a_client_going_away_closes_vllms_generator_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serving layer closes the answer's generator when its client disconnects; vLLM aborts the request
+    in its generator's cleanup, which must run then, not whenever the garbage collector gets to it."""
+    monkeypatch.setattr("agentkv.server._prefill_token._count", lambda result: None)
+    closed: list[bool] = []
+
+    class Aborting(Engine):
+        async def generate(self, prompt: Any, params: Any, request_id: str, **kwargs: Any) -> Any:
+            try:
+                async for out in super().generate(prompt, params, request_id, **kwargs):
+                    yield out
+            finally:
+                closed.append(True)
+
+    engine = Aborting()
+    generate = _wrap_generate(Aborting.generate, DELTA)
+    params = Params(extra_args={KV_KEY: {PREFILL_TOKEN_KEY: 9}})
+
+    async def first_then_leave() -> None:
+        answers = generate(engine, {"type": "token", "prompt_token_ids": PROMPT}, params, "r")
+        assert (await anext(answers)).outputs[0].token_ids == [9, 10]
+        await answers.aclose()
+        assert closed == [True]
+
+    asyncio.run(first_then_leave())
