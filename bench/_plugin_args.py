@@ -25,7 +25,8 @@ def kv_config_item(text: str) -> tuple[str, Any]:
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
-    """`--tokenizer-cache`, `--detokenizer-prime-tokens`, `--forwarded-ids` and `--fast-json`: the reuse
+    """`--tokenizer-cache`, `--detokenizer-prime-tokens`, `--forwarded-ids`, `--prefill-token` and
+    `--fast-json`: the reuse
     legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv)
     never do."""
     ap.add_argument(
@@ -47,6 +48,13 @@ def add_plugin_args(ap: argparse.ArgumentParser) -> None:
         help="the reuse legs' decodes run the router's forwarded prompt ids instead of rendering the "
         "messages again: always (agentkv's default) through agentkv's wrapper, which also reads them packed "
         "and takes a body cut to its last message; on: vLLM 0.32+'s own code there",
+    )
+    ap.add_argument(
+        "--prefill-token",
+        choices=("on", "off"),
+        default="on",
+        help="the reuse legs' decodes start from the token prefill sampled (agentkv's AGENTKV_PREFILL_TOKEN; "
+        "off: decode computes the prompt's last token again, as vLLM's P/D does)",
     )
     add_fast_json_arg(ap)
 
@@ -71,12 +79,14 @@ def plugin_fields(args: argparse.Namespace, *, reuse: bool) -> dict[str, Any]:
             "detokenizer_prime_tokens": 0,
             "forwarded_ids": "off",
             "fast_json": False,
+            "prefill_token": False,
         }
     return {
         "tokenizer_cache": args.tokenizer_cache,
         "detokenizer_prime_tokens": args.detokenizer_prime_tokens,
         "forwarded_ids": args.forwarded_ids,
         "fast_json": args.fast_json == "on",
+        "prefill_token": args.prefill_token == "on",
     }
 
 
