@@ -25,11 +25,13 @@ __all__ = [
     "MESSAGES_PATH",
     "OFFER_DECODED_KEY",
     "PACKED_IDS_KEY",
+    "PREFILL_LOGPROBS_KEY",
     "PREFILL_TOKEN_KEY",
     "PROMPT_IDS_KEY",
     "RESPONSES_PATH",
     "RETAIN_KEY",
     "TOKEN_PREFILL_PATH",
+    "asked_logprobs",
     "cut_messages",
     "cut_offer",
     "decode_body",
@@ -37,6 +39,7 @@ __all__ = [
     "has_non_text_content",
     "pack_ids",
     "prefill_body",
+    "prefill_logprobs",
     "prefill_params",
     "prefill_token",
     "render_path",
@@ -69,6 +72,9 @@ MESSAGES_CUT_KEY = "agentkv_messages_cut"
 # The token prefill sampled, for a decode that starts from it instead of computing the prompt's last token
 # again (`agentkv.server._prefill_token`); a decode without agentkv's plugin ignores it.
 PREFILL_TOKEN_KEY = "agentkv_prefill_token"
+# ... and, where the client asked for logprobs, that token's as prefill computed them (`prefill_logprobs`):
+# {"k": top logprobs asked, "top": [[id, logprob, rank], ...] in vLLM's order, the sampled token first}.
+PREFILL_LOGPROBS_KEY = "agentkv_prefill_logprobs"
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 # The prefill hop's id prompt goes to the completions route whatever API the client spoke.
@@ -139,6 +145,7 @@ def decode_body(
     pack: bool = False,
     offer_decoded: bool | None = None,
     prefill_token: int | None = None,
+    prefill_logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     out = dict(body)
     if cache_salt is not None:
@@ -149,6 +156,8 @@ def decode_body(
     base: dict[str, Any] = dict(prefill_kv) if prefill_kv else {RETAIN_KEY: True}
     if prefill_kv and prefill_token is not None:
         base[PREFILL_TOKEN_KEY] = prefill_token  # only beside prefill's blocks: decode loads them, then it
+        if prefill_logprobs is not None:
+            base[PREFILL_LOGPROBS_KEY] = prefill_logprobs
     out[KV_KEY] = _decode_params(base, prompt_ids=prompt_ids, pack=pack, offer_decoded=offer_decoded)
     return out
 
@@ -331,24 +340,35 @@ def rendered_request(answer: Any) -> tuple[dict[str, Any], array[int]] | None:
 
 
 def token_prefill(
-    rendered: dict[str, Any], *, model: Any, kv_params: dict[str, Any], generate: bool
+    rendered: dict[str, Any],
+    *,
+    model: Any,
+    kv_params: dict[str, Any],
+    generate: bool,
+    logprobs: int | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """Prefill's tokens-in request (route and body) for one output token with P's params: the rendered ids,
     which vLLM takes without applying a template or a tokenizer.
 
-    `generate` (vLLM >= 0.32): `/inference/v1/generate` with `detokenize` off. Prefill's one token is thrown
-    away, and detokenizing it is not free: vLLM primes its incremental detokenizer with the whole prompt
-    (`DecodeStream(ids=prompt_token_ids)`), whose first step decodes every prompt token (60 ms for 135k ids
-    on one CPU core; vllm#51281 and vllm#57330 cap it upstream). Otherwise `/v1/completions` with an id
-    prompt: 0.26 accepts `kv_transfer_params` on the generate route but never hands them to the engine, so
-    prefill would not keep its blocks for decode.
+    `generate` (vLLM >= 0.32): `/inference/v1/generate` with `detokenize` off. Prefill's one token goes on
+    to decode as an id (`prefill_token`), and detokenizing it is not free: vLLM primes its incremental
+    detokenizer with the whole prompt (`DecodeStream(ids=prompt_token_ids)`), whose first step decodes every
+    prompt token (60 ms for 135k ids on one CPU core; vllm#51281 and vllm#57330 cap it upstream). Otherwise
+    `/v1/completions` with an id prompt: 0.26 accepts `kv_transfer_params` on the generate route but never
+    hands them to the engine, so prefill would not keep its blocks for decode.
+
+    `logprobs` (`asked_logprobs`): the top logprobs the client asked of its answer, which prefill computes for
+    the token decode starts from (`prefill_logprobs`).
 
     The render's `cache_salt` (the client's) is kept: prefill's prefix cache holds only KV prefill computed,
     so sharing it under the client's salt is what a single vLLM server does."""
     ids = rendered["token_ids"]
     out: dict[str, Any] = {"model": model, "stream": False, KV_KEY: kv_params}
     if generate:
-        out |= {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0, "detokenize": False}}
+        sampling: dict[str, Any] = {"max_tokens": 1, "temperature": 0, "detokenize": False}
+        if logprobs is not None:
+            sampling["logprobs"] = logprobs
+        out |= {"token_ids": ids, "sampling_params": sampling}
         path = GENERATE_PATH
     else:
         # The one token as an id (`prefill_token`), through its logprob: `return_token_ids` would send the
@@ -357,7 +377,7 @@ def token_prefill(
             "prompt": ids,
             "max_tokens": 1,
             "temperature": 0,
-            "logprobs": 0,
+            "logprobs": logprobs or 0,
             "return_tokens_as_token_ids": True,
         }
         path = TOKEN_PREFILL_PATH
@@ -386,3 +406,44 @@ def prefill_token(answer: dict[str, Any]) -> int | None:
     token = ids[0]
     # bool is an int subclass, hence the exact type check.
     return token if type(token) is int and token >= 0 else None
+
+
+def asked_logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
+    """How many top logprobs a client's chat or completions body asks of each answer token (0: the sampled
+    token's alone), or None for none asked; -1 (all) counts as none here, decode then runs vLLM's own path."""
+    if chat:
+        if body.get("logprobs") is not True:
+            return None
+        top = body.get("top_logprobs")
+        if top is None:
+            return 0
+        return top if type(top) is int and top >= 0 else None
+    top = body.get("logprobs")
+    return top if type(top) is int and top >= 0 else None
+
+
+def prefill_logprobs(answer: dict[str, Any], k: int) -> dict[str, Any] | None:
+    """The logprobs of the one token a token-path prefill hop sampled, asked with `k` top logprobs, as decode
+    takes them beside it (`PREFILL_LOGPROBS_KEY`); None where the answer has none to read."""
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+    logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+    if not isinstance(logprobs, dict):
+        return None
+    top: list[list[Any]] = []
+    content = logprobs.get("content")
+    if isinstance(content, list) and len(content) == 1 and isinstance(content[0], dict):  # the generate route
+        for e in content[0].get("top_logprobs") or [content[0]]:
+            if not isinstance(e, dict):
+                return None
+            top.append([e.get("token_id"), e.get("logprob"), e.get("rank")])
+    else:  # the completions route: {"token_id:N": logprob} in vLLM's order, the sampled token first
+        tops = logprobs.get("top_logprobs")
+        if not isinstance(tops, list) or len(tops) != 1 or not isinstance(tops[0], dict):
+            return None
+        for rank, (name, value) in enumerate(tops[0].items(), start=1):
+            kind, _, number = name.partition(":")
+            top.append([int(number) if kind == "token_id" and number.isdigit() else None, value, rank])
+    if not top or any(type(i) is not int or type(v) is not float for i, v, _ in top):
+        return None
+    return {"k": k, "top": top}

@@ -56,7 +56,7 @@ from agentkv._wire import KV_KEY, decode_body, prefill_params, token_prefill
 from agentkv.server.router._backend import block_size_of
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
 from bench._plugin_args import kv_config_item
-from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words
+from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words, plugin_counts
 
 NAME = "agreement"
 Send = Callable[..., dict[str, Any]]
@@ -78,11 +78,8 @@ def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
     return " ".join(rng.choice(FILLER_WORDS) for _ in range(n))
 
 
-def _sender(url: str, model: str, *, logprobs: bool) -> Send:
-    """``send(messages, key)``: one greedy turn; ``key`` is the conversation id (router) or cache salt.
-    Without ``logprobs`` the ids come as `return_token_ids` and no first logprob is known. A turn that asks
-    for logprobs runs decode's own first step instead of starting from prefill's token
-    (`agentkv.server._prefill_token`): turns without them measure agentkv's hops as agents run them."""
+def _sender(url: str, model: str) -> Send:
+    """``send(messages, key)``: one greedy turn; ``key`` is the conversation id (router) or cache salt."""
 
     def send(messages: list[dict[str, str]], key: str | None, *, salt: bool = False) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -90,10 +87,9 @@ def _sender(url: str, model: str, *, logprobs: bool) -> Send:
             "messages": messages,
             "max_tokens": _MAX_TOKENS,
             "temperature": 0,
+            "logprobs": True,
+            "return_tokens_as_token_ids": True,
         }
-        body |= (
-            {"logprobs": True, "return_tokens_as_token_ids": True} if logprobs else {"return_token_ids": True}
-        )
         headers = {}
         if key is not None and salt:
             body["cache_salt"] = key
@@ -103,16 +99,12 @@ def _sender(url: str, model: str, *, logprobs: bool) -> Send:
         r.raise_for_status()
         data = r.json()
         choice = data["choices"][0]
-        if logprobs:
-            content = choice["logprobs"]["content"]
-            tokens, first = [t["token"] for t in content], content[0]["logprob"] if content else None
-        else:
-            tokens, first = [f"token_id:{i}" for i in choice["token_ids"]], None
+        content = choice["logprobs"]["content"]
         details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
         return {
             "text": choice["message"]["content"] or "",
-            "tokens": tokens,
-            "first_logprob": first,
+            "tokens": [t["token"] for t in content],
+            "first_logprob": content[0]["logprob"] if content else None,
             "reuse": r.headers.get("x-agentkv-reuse"),
             "cached_tokens": details.get("cached_tokens"),
         }
@@ -167,11 +159,7 @@ def _conversation(
                 "reuse": on["reuse"],
                 "cached_tokens": on["cached_tokens"],
                 "same_tokens": on["tokens"] == off["tokens"],
-                "first_logprob_diff": (
-                    None
-                    if on["first_logprob"] is None or off["first_logprob"] is None
-                    else abs(on["first_logprob"] - off["first_logprob"])
-                ),
+                "first_logprob_diff": abs(on["first_logprob"] - off["first_logprob"]),
                 "tokens": on["tokens"],
                 "recompute_tokens": off["tokens"],
                 "history": list(history),
@@ -375,7 +363,7 @@ def _pd_side(
                 s.health_url.removesuffix("/health") for s in (on, pull, exact, off)
             )
             model = httpx.get(f"{on_url}/v1/models", timeout=10).json()["data"][0]["id"]
-            send_off = _sender(off_url, model, logprobs=args.logprobs)
+            send_off = _sender(off_url, model)
 
             def recompute(m: list[dict[str, str]]) -> dict[str, Any]:
                 return send_off(m, None)
@@ -383,7 +371,7 @@ def _pd_side(
             rows = []
             sides = (("P/D default", on_url), ("P/D default, pull", pull_url), ("P/D exact", exact_url))
             for side, url in sides[: 1 if args.sides == "default" else None]:
-                send, words = _sender(url, model, logprobs=args.logprobs), args.wordlevel
+                send, words = _sender(url, model), args.wordlevel
                 run_side("warm-up", range(1), reuse=send, recompute=recompute, wordlevel=words)
                 rows += run_side(side + label, seeds, reuse=send, recompute=recompute, wordlevel=words)
             if args.prefill_first_token:
@@ -409,10 +397,12 @@ def _pd_side(
                 except httpx.HTTPError as exc:  # an engine down: keep the other sides' turns
                     print(f"the {FIRST_TOKEN_SIDE} side stopped: {exc}")
             if args.decode_alone:
-                reuse, again = single_server_sides(_sender(urls["decode_url"], model, logprobs=args.logprobs))
+                reuse, again = single_server_sides(_sender(urls["decode_url"], model))
                 rows += run_side(
                     DECODE_ALONE_SIDE + label, seeds, reuse=reuse, recompute=again, wordlevel=args.wordlevel
                 )
+            # Which of decode's first steps started from prefill's token (agentkv_prefill_tokens_total).
+            print(f"decode's agentkv counters{label}: {plugin_counts(urls['decode_url'])}")
             return rows
     finally:
         cluster.down()
@@ -452,7 +442,7 @@ def _single_side(
     try:
         engine.wait_healthy(timeout_s=900)
         model = httpx.get(f"{spec.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        send = _sender(spec.url, model, logprobs=args.logprobs)
+        send = _sender(spec.url, model)
         reuse, recompute = single_server_sides(send)
         rows = run_side("single server", seeds, reuse=reuse, recompute=recompute, wordlevel=args.wordlevel)
         with make_progress() as progress:
@@ -503,9 +493,7 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         summary[side] = {
             "turns": len(mine),
             "same_tokens": sum(r["same_tokens"] for r in mine),
-            "max_first_logprob_diff": max(
-                (r["first_logprob_diff"] for r in mine if r["first_logprob_diff"] is not None), default=None
-            ),
+            "max_first_logprob_diff": max(r["first_logprob_diff"] for r in mine),
             "reused": sum(r["reuse"] in ("hit", "local") for r in mine),
             "paths": sorted({str(r["reuse"]) for r in mine}),
             "cached_tokens_reported": sum(bool(r["cached_tokens"]) for r in mine),
@@ -597,12 +585,6 @@ def main(argv: list[str] | None = None) -> None:
         "reference), e.g. to compare its agreement under two engine settings in one lease",
     )
     ap.add_argument(
-        "--logprobs",
-        action="store_true",
-        help="ask every chat turn for logprobs (the first token's logprob difference is reported); such "
-        "turns leave decode to compute the prompt's last token again rather than start from prefill's token",
-    )
-    ap.add_argument(
         "--prefill-first-token",
         action="store_true",
         help="also recompute every P/D reuse turn's history with decode starting from prefill's sampled "
@@ -657,7 +639,7 @@ def main(argv: list[str] | None = None) -> None:
                 side,
                 s["turns"],
                 s["same_tokens"],
-                "-" if s["max_first_logprob_diff"] is None else s["max_first_logprob_diff"],
+                s["max_first_logprob_diff"],
                 "-" if s["same_as_reference"] is None else s["same_as_reference"],
                 "-" if s["recompute_same_as_reference"] is None else s["recompute_same_as_reference"],
                 s.get("first_token_recompute_same_as_reference", "-"),

@@ -56,7 +56,7 @@ def _answer(
 
 
 def _counts(d_url: str) -> dict[str, float]:
-    results = ("used", "logprobs", "whole blocks", "sampling")
+    results = ("used", "logprobs", "whole blocks", "sampling", "text")
     return {r: metric(d_url, USED, result=r) for r in results}
 
 
@@ -83,12 +83,12 @@ def test_a_pd_turn_answers_as_one_server_streamed_or_not(cluster: Cluster, route
         assert _delta(d_url, before).get("used", 0) >= 1, (stream, _delta(d_url, before))
 
 
-def test_a_whole_blocks_prompt_and_a_logprobs_turn_run_as_vllm_ships(
+def test_a_whole_blocks_prompt_and_a_prompt_logprobs_turn_run_as_vllm_ships(
     cluster: Cluster, router: RouterProc
 ) -> None:
     """Where decode cannot start from prefill's token it runs vLLM's own path and answers as before: a prompt
     of whole blocks (decode would need one block more than prefill hands on; vLLM's NIXL worker would stop
-    the engine) and a turn asking for logprobs (token 1's would be missing)."""
+    the engine) and a turn asking for the prompt's logprobs."""
     p_url, d_url = cluster.prefills[0].spec.url, cluster.decodes[0].spec.url
     block = block_size_of(httpx.get(f"{d_url}/metrics", timeout=10).text)
     assert block is not None
@@ -111,10 +111,11 @@ def test_a_whole_blocks_prompt_and_a_logprobs_turn_run_as_vllm_ships(
     assert (ids, text) == _answer(p_url, messages, stream=False)
     assert _delta(d_url, before) == {"whole blocks": 1}
 
+    # Prompt logprobs: decode would have to give the prompt's last token's, which it no longer computes.
     messages = [{"role": "user", "content": conversation_script(44, 1)[0]}]
     before = _counts(d_url)
-    ids, text = _answer(router.url, messages, stream=False, cid=new_id("logprobs"), logprobs=True)
-    assert (ids, text) == _answer(p_url, messages, stream=False, logprobs=True)
+    ids, text = _answer(router.url, messages, stream=False, cid=new_id("prompt-logprobs"), prompt_logprobs=1)
+    assert (ids, text) == _answer(p_url, messages, stream=False, prompt_logprobs=1)
     assert _delta(d_url, before) == {"logprobs": 1}
     # The engine is still up and starts from prefill's token again.
     before = _counts(d_url)
@@ -123,3 +124,49 @@ def test_a_whole_blocks_prompt_and_a_logprobs_turn_run_as_vllm_ships(
         p_url, messages, stream=True
     )
     assert _delta(d_url, before) == {"used": 1}
+
+
+def test_an_answers_logprobs_are_one_servers_token_one_from_prefill(
+    cluster: Cluster, router: RouterProc
+) -> None:
+    """A turn asking for logprobs starts from prefill's token too: token 1's logprobs (and top logprobs) are
+    the ones prefill computed, as one server computes them, and the rest decode's; all equal the prefill
+    engine's own answer, streamed and not."""
+    p_url, d_url = cluster.prefills[0].spec.url, cluster.decodes[0].spec.url
+    messages = [{"role": "user", "content": conversation_script(46, 1)[0]}]
+    asked = {"logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": False}
+    for stream in (False, True):
+        before = _counts(d_url)
+        got = _logprobs(router.url, messages, stream=stream, cid=new_id("logprobs"), **asked)
+        assert got == _logprobs(p_url, messages, stream=stream, **asked), stream
+        assert got and len(got[0]["top_logprobs"]) == 3
+        assert _delta(d_url, before) == {"used": 1}, stream
+
+
+def _logprobs(
+    url: str, messages: list[dict[str, Any]], *, stream: bool, cid: str | None = None, **extra: Any
+) -> list[Any]:
+    """A greedy answer's logprobs content (each token's text, logprob, bytes and top logprobs)."""
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": stream,
+        **extra,
+    }
+    headers = {"x-session-id": cid} if cid else {}
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["logprobs"]["content"])
+    content: list[Any] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    content += (choice.get("logprobs") or {}).get("content") or []
+    return content

@@ -17,11 +17,14 @@ from agentkv._constants import H_LEASE_EXPIRES_IN, PULLED_KEY
 from agentkv._exceptions import APIStatusError
 from agentkv._wire import (
     CHAT_PATH,
+    COMPLETIONS_PATH,
     KV_KEY,
+    asked_logprobs,
     cut_messages,
     decode_body,
     decode_local_body,
     prefill_body,
+    prefill_logprobs,
     prefill_params,
     prefill_token,
     rendered_request,
@@ -364,6 +367,7 @@ class TurnRunner:
         if retained is not None and isinstance(pulled, int) and not isinstance(pulled, bool):
             turn.pulled_tokens = pulled
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
+        logprobs = self._asked_logprobs(turn) if rendered is not None else None
         body = decode_body(
             turn.body,
             kv,
@@ -373,10 +377,18 @@ class TurnRunner:
             offer_decoded=not self._s.exact,
             # Token ids in both hops: prefill sampled greedily what decode may start from.
             prefill_token=prefill_token(answer) if self._s.prefill_token and rendered is not None else None,
+            prefill_logprobs=None if logprobs is None else prefill_logprobs(answer, logprobs),
         )
         # The whole body stays for a decode the hop fails over to: only `decode` said it takes a cut one.
         cut = cut_messages(body) if turn.cut_messages else body
         return await self._open_decode(turn, cut, first=decode, whole=body)
+
+    def _asked_logprobs(self, turn: Turn) -> int | None:
+        """The top logprobs the client asked of its answer, where prefill computes them for the token decode
+        starts from (`agentkv._wire.asked_logprobs`)."""
+        if not self._s.prefill_token or turn.api_path not in (CHAT_PATH, COMPLETIONS_PATH):
+            return None
+        return asked_logprobs(turn.body, chat=turn.api_path == CHAT_PATH)
 
     async def _token_prefill(
         self, p: BackendState, turn: Turn, rendered: dict[str, Any], kv_params: dict[str, Any]
@@ -387,7 +399,11 @@ class TurnRunner:
 
         async def post(generate: bool) -> dict[str, Any]:
             path, body = token_prefill(
-                rendered, model=turn.body.get("model"), kv_params=kv_params, generate=generate
+                rendered,
+                model=turn.body.get("model"),
+                kv_params=kv_params,
+                generate=generate,
+                logprobs=self._asked_logprobs(turn),
             )
             return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
 

@@ -15,8 +15,10 @@ from agentkv._wire import (
     MESSAGES_CUT_KEY,
     PACKED_IDS_KEY,
     PREFILL_TOKEN_KEY,
+    asked_logprobs,
     decode_body,
     pack_ids,
+    prefill_logprobs,
     prefill_token,
     rendered_request,
     token_prefill,
@@ -472,3 +474,37 @@ def test_decode_is_sent_prefills_token_only_beside_prefills_blocks() -> None:
     # No blocks from prefill: decode prefills the prompt itself and samples token 1 there.
     assert PREFILL_TOKEN_KEY not in decode_body({"model": "m"}, None, prefill_token=7)["kv_transfer_params"]
     assert PREFILL_TOKEN_KEY not in decode_body({"model": "m"}, kv)["kv_transfer_params"]
+
+
+def test_the_logprobs_a_client_asks_are_asked_of_prefill_and_read_back_from_either_route() -> None:
+    assert asked_logprobs({"logprobs": True, "top_logprobs": 3}, chat=True) == 3
+    assert asked_logprobs({"logprobs": True}, chat=True) == 0
+    assert asked_logprobs({"logprobs": False, "top_logprobs": 3}, chat=True) is None
+    assert asked_logprobs({"logprobs": 2}, chat=False) == 2
+    for odd in ({"logprobs": -1}, {"logprobs": True}, {}):
+        assert asked_logprobs(odd, chat=False) is None, odd
+    rendered = {"token_ids": [5, 6]}
+    _, body = token_prefill(rendered, model="m", kv_params={}, generate=False, logprobs=2)
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+    _, body = token_prefill(rendered, model="m", kv_params={}, generate=True, logprobs=2)
+    assert body["sampling_params"]["logprobs"] == 2
+
+    completions = {"top_logprobs": [{"token_id:9": -0.5, "token_id:3": -1.5}], "tokens": ["token_id:9"]}
+    top = [[9, -0.5, 1], [3, -1.5, 2]]
+    assert prefill_logprobs({"choices": [{"logprobs": completions}]}, 1) == {"k": 1, "top": top}
+    generated = {
+        "content": [
+            {
+                "token_id": 9,
+                "logprob": -0.5,
+                "rank": 1,
+                "top_logprobs": [
+                    {"token_id": 9, "logprob": -0.5, "rank": 1},
+                    {"token_id": 3, "logprob": -1.5, "rank": 2},
+                ],
+            }
+        ]
+    }
+    assert prefill_logprobs({"choices": [{"logprobs": generated}]}, 1) == {"k": 1, "top": top}
+    for odd in (None, {}, {"top_logprobs": [{"9": -0.5}]}, {"top_logprobs": [{"token_id:9": "x"}]}):
+        assert prefill_logprobs({"choices": [{"logprobs": odd}]}, 1) is None, odd

@@ -9,10 +9,28 @@ from typing import Any
 
 import pytest
 
-from agentkv._wire import KV_KEY, PREFILL_TOKEN_KEY
-from agentkv.server._prefill_token import _token_text, _wrap_generate, refusal
+from agentkv._wire import KV_KEY, PREFILL_LOGPROBS_KEY, PREFILL_TOKEN_KEY
+from agentkv.server._prefill_token import _VLLM, _token_text, _wrap_generate, refusal
 
-DELTA, FINAL = "delta", "final"
+DELTA, FINAL, CUMULATIVE = "delta", "final", "cumulative"
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+class Kinds:
+    DELTA, FINAL_ONLY = DELTA, FINAL
+
+
+def _names(tokenizer: Any, ids: list[int]) -> list[str]:
+    return [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
+VLLM = _VLLM(kinds=Kinds, logprob=Logprob, to_tokens=_names)
 
 
 @dataclass
@@ -49,7 +67,7 @@ PROMPT = [1, 2, 3, 4, 5]  # not whole blocks of 4
         ({"temperature": 0.7}, "sampling"),
         ({"presence_penalty": 0.5}, "penalties"),
         ({"repetition_penalty": 1.1}, "penalties"),
-        ({"logprobs": 0}, "logprobs"),
+        ({"logprobs": 0}, "logprobs"),  # and none came from prefill
         ({"prompt_logprobs": 1}, "logprobs"),
         ({"stop": ["\n"]}, "stop strings"),
         ({"structured_outputs": object()}, "constraints"),
@@ -63,6 +81,19 @@ def test_decode_starts_from_prefills_token_only_where_one_server_would_have_samp
     change: dict[str, Any], reason: str | None
 ) -> None:
     assert refusal(replace(Params(), **change), 9, PROMPT, block_size=4) == reason
+
+
+def test_logprobs_are_kept_where_prefills_are_the_tokens_with_as_many_top_logprobs_as_asked() -> None:
+    top = [[9, -0.5, 1], [3, -1.5, 2]]
+    assert refusal(Params(logprobs=1), 9, PROMPT, block_size=4, logprobs={"k": 1, "top": top}) is None
+    assert refusal(Params(logprobs=0), 9, PROMPT, block_size=4, logprobs={"k": 0, "top": top[:1]}) is None
+    for k, lp in (
+        (2, {"k": 1, "top": top}),
+        (1, {"k": 1, "top": top[::-1]}),
+        (1, None),
+        (0, {"k": 0, "top": top}),
+    ):
+        assert refusal(Params(logprobs=k), 9, PROMPT, block_size=4, logprobs=lp) == "logprobs", (k, lp)
 
 
 def test_a_prompt_of_whole_blocks_or_an_unknown_block_size_runs_as_vllm_ships() -> None:
@@ -95,6 +126,8 @@ def test_token_one_is_decoded_against_the_prompts_tail() -> None:
 class Choice:
     token_ids: list[int]
     text: str
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -104,7 +137,8 @@ class Output:
 
 
 class Engine:
-    """An engine client whose `generate` answers 10, 11, 12 after whatever prompt it is given."""
+    """An engine client whose `generate` answers 10, 11, 12 after whatever prompt it is given (logprobs
+    -1, -2, -3 where asked)."""
 
     tokenizer = Tokenizer()
 
@@ -117,16 +151,20 @@ class Engine:
         answer = [10, 11, 12][: params.max_tokens]
         for n in range(1, len(answer) + 1):
             step = answer[n - 1 : n] if params.output_kind == DELTA else answer[:n]
-            yield Output(
-                list(prompt["prompt_token_ids"]), [Choice(list(step), "".join(f"<{i}>" for i in step))]
-            )
+            choice = Choice(list(step), "".join(f"<{i}>" for i in step))
+            if params.logprobs is not None:
+                choice.logprobs = [{i: Logprob(float(9 - i), 1, f"<{i}>")} for i in step]
+                choice.cumulative_logprob = float(sum(9 - i for i in answer[:n]))
+            yield Output(list(prompt["prompt_token_ids"]), [choice])
 
 
-def _run(engine: Engine, params: Params, token: int | None) -> list[Output]:
-    generate = _wrap_generate(Engine.generate, DELTA)
+def _run(engine: Engine, params: Params, token: int | None, logprobs: Any = None) -> list[Output]:
+    generate = _wrap_generate(Engine.generate, VLLM)
     params.extra_args = {KV_KEY: {"remote_block_ids": [1]}}
     if token is not None:
         params.extra_args[KV_KEY][PREFILL_TOKEN_KEY] = token
+    if logprobs is not None:
+        params.extra_args[KV_KEY][PREFILL_LOGPROBS_KEY] = logprobs
 
     async def collect() -> list[Output]:
         return [
@@ -160,17 +198,31 @@ def test_the_answer_starts_with_prefills_token_and_the_prompt_is_given_back_as_i
     assert counted == ["used"]
 
 
+def test_token_ones_logprobs_from_prefill_lead_the_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agentkv.server._prefill_token._count", lambda result: None)
+    for kind in (DELTA, FINAL):
+        top = {"k": 1, "top": [[9, -0.25, 1], [3, -2.0, 2]]}
+        outs = _run(Engine(), Params(output_kind=kind, logprobs=1), 9, top)
+        choice = outs[0].outputs[0] if kind == DELTA else outs[-1].outputs[0]
+        assert choice.logprobs is not None
+        assert choice.logprobs[0] == {9: Logprob(-0.25, 1, " f"), 3: Logprob(-2.0, 2, "c")}
+        assert [list(p) for p in choice.logprobs[1:]] == [[i] for i in choice.token_ids[1:]]
+        # vLLM's running sum of the answer's own logprobs, with token 1's added.
+        assert choice.cumulative_logprob == (-1.0 if kind == DELTA else -1.0 - 2.0 - 3.0) - 0.25
+
+
 def test_a_refused_or_absent_token_leaves_the_request_as_it_came(monkeypatch: pytest.MonkeyPatch) -> None:
     counted: list[str] = []
     monkeypatch.setattr("agentkv.server._prefill_token._count", counted.append)
-    for params, token in ((Params(logprobs=1), 9), (Params(), 7), (Params(), None), (Params(), True)):
+    cases = [(Params(logprobs=1), 9), (Params(), 7), (Params(output_kind=CUMULATIVE), 9)]
+    for params, token in [*cases, (Params(), None), (Params(), True)]:
         engine = Engine()
         outs = _run(engine, params, token)  # type: ignore[arg-type]
         ((prompt, sent),) = engine.seen
         assert prompt["prompt_token_ids"] == PROMPT and sent is params and sent.max_tokens == 16
         assert PREFILL_TOKEN_KEY not in sent.extra_args[KV_KEY]
-        assert [o.outputs[0].token_ids for o in outs] == [[10], [11], [12]]
-    assert counted == ["logprobs", "text"]  # neither an absent token nor a non-id is counted
+        assert outs[-1].outputs[0].token_ids == ([12] if params.output_kind == DELTA else [10, 11, 12])
+    assert counted == ["logprobs", "text", "output kind"]  # neither an absent token nor a non-id is counted
 
 
 def test_a_client_going_away_closes_vllms_generator_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -188,7 +240,7 @@ def test_a_client_going_away_closes_vllms_generator_at_once(monkeypatch: pytest.
                 closed.append(True)
 
     engine = Aborting()
-    generate = _wrap_generate(Aborting.generate, DELTA)
+    generate = _wrap_generate(Aborting.generate, VLLM)
     params = Params(extra_args={KV_KEY: {PREFILL_TOKEN_KEY: 9}})
 
     async def first_then_leave() -> None:
