@@ -109,6 +109,13 @@ def serve(
             "standard library where it would differ): token-path bodies and answers of 100k+ ids."
         ),
     ] = True,
+    prefill_token: Annotated[
+        bool,
+        typer.Option(
+            help="A decode given the token prefill sampled (the router forwards it) starts from it instead "
+            "of computing the prompt's last token again, so a P/D answer computes what one server computes."
+        ),
+    ] = True,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -141,6 +148,7 @@ def serve(
         detokenizer_prime_tokens=max(0, detokenizer_prime_tokens),
         forwarded_ids=forwarded_ids,  # type: ignore[arg-type]
         fast_json=fast_json,
+        prefill_token=prefill_token,
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)

@@ -278,13 +278,12 @@ def test_serve_switches_the_vllm_plugin_per_engine(engine_envs: list[dict[str, s
         "0",
         "--forwarded-ids",
         "off",
+        "--no-prefill-token",
     )
     invoke("serve", "decode")
-    got = [
-        (e["AGENTKV_TOKENIZER_CACHE"], e["AGENTKV_DETOKENIZER_PRIME_TOKENS"], e["AGENTKV_FORWARDED_IDS"])
-        for e in engine_envs
-    ]
-    assert got == [("verify", "0", "off"), ("on", "128", "always")]
+    names = ("TOKENIZER_CACHE", "DETOKENIZER_PRIME_TOKENS", "FORWARDED_IDS", "PREFILL_TOKEN")
+    got = [tuple(e[f"AGENTKV_{n}"] for n in names) for e in engine_envs]
+    assert got == [("verify", "0", "off", "off"), ("on", "128", "always", "on")]
     result = invoke("serve", "decode", "--tokenizer-cache", "maybe")
     assert result.exit_code != 0 and "on, off or verify" in flat(result.output)
     result = invoke("serve", "decode", "--forwarded-ids", "maybe")

@@ -206,6 +206,7 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
     env = build_command(EngineSpec(role="decode", model="/m", port=1))[1]
     assert env["AGENTKV_TOKENIZER_CACHE"] == "on" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "128"
     assert env["AGENTKV_FORWARDED_IDS"] == "always" and env["AGENTKV_FAST_JSON"] == "on"
+    assert env["AGENTKV_PREFILL_TOKEN"] == "on"
     stock = ClusterConfig(
         model="/m",
         device="cpu",
@@ -213,11 +214,13 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
         detokenizer_prime_tokens=0,
         forwarded_ids="off",
         fast_json=False,
+        prefill_token=False,
     )
     for _, spec in stock.specs():
         env = build_command(spec)[1]
         assert env["AGENTKV_TOKENIZER_CACHE"] == "off" and env["AGENTKV_DETOKENIZER_PRIME_TOKENS"] == "0"
         assert env["AGENTKV_FORWARDED_IDS"] == "off" and env["AGENTKV_FAST_JSON"] == "off"
+        assert env["AGENTKV_PREFILL_TOKEN"] == "off"
     with pytest.raises(ConfigError, match="tokenizer_cache"):
         ClusterConfig(model="/m", tokenizer_cache="sometimes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="forwarded_ids"):
