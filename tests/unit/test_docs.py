@@ -19,6 +19,7 @@ OUTSIDE_NAMES = {
     "reqs_to_send",
     "OnlineRenderer",
     "preprocess_chat",
+    "AsyncLLM",  # the engine client whose `generate` the plugin wraps
     # A chat request field the router's token check covers.
     "chat_template_kwargs",
     # The standard library's.
