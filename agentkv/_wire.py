@@ -389,9 +389,8 @@ def token_prefill(
 def prefill_token(answer: dict[str, Any]) -> int | None:
     """The one token a token-path prefill hop (`token_prefill`) sampled, where decode may start from it: it
     ended on the length limit (not a stop token, which ends the answer there) and came as an id."""
-    choices = answer.get("choices")
-    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
-    if not isinstance(choice, dict) or choice.get("finish_reason") != "length":
+    choice = _one_choice(answer)
+    if choice is None or choice.get("finish_reason") != "length":
         return None
     ids = choice.get("token_ids")  # the generate route
     if ids is None:  # the completions route: "token_id:N" as its logprob's token
@@ -406,6 +405,12 @@ def prefill_token(answer: dict[str, Any]) -> int | None:
     token = ids[0]
     # bool is an int subclass, hence the exact type check.
     return token if type(token) is int and token >= 0 else None
+
+
+def _one_choice(answer: dict[str, Any]) -> dict[str, Any] | None:
+    choices = answer.get("choices")
+    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
+    return choice if isinstance(choice, dict) else None
 
 
 def asked_logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
@@ -425,9 +430,8 @@ def asked_logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
 def prefill_logprobs(answer: dict[str, Any], k: int) -> dict[str, Any] | None:
     """The logprobs of the one token a token-path prefill hop sampled, asked with `k` top logprobs, as decode
     takes them beside it (`PREFILL_LOGPROBS_KEY`); None where the answer has none to read."""
-    choices = answer.get("choices")
-    choice = choices[0] if isinstance(choices, list) and len(choices) == 1 else None
-    logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+    choice = _one_choice(answer)
+    logprobs = choice.get("logprobs") if choice is not None else None
     if not isinstance(logprobs, dict):
         return None
     top: list[list[Any]] = []

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -36,8 +35,6 @@ from agentkv._exceptions import EngineVersionError
 from agentkv._wire import KV_KEY, PREFILL_LOGPROBS_KEY, PREFILL_TOKEN_KEY
 
 __all__ = ["install", "refusal"]
-
-logger = logging.getLogger("vllm.agentkv.prefill_token")
 
 _GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
 _TAIL = 8  # the prompt ids token 1's text is decoded against (a byte-level run spans a few ids)

@@ -132,6 +132,11 @@ def test_the_engine_client_the_plugin_wraps_for_prefills_token_takes_and_yields_
     assert "DELTA" in ast.unparse(tree.cls("vllm.sampling_params", "RequestOutputKind").node), version
     engine = tree.module("vllm.inputs.engine")
     assert engine is not None and "prompt_token_ids" in ast.unparse(engine), version
+    # Token 1's logprobs, built as vLLM's output processor builds a position.
+    logprob = tree.cls("vllm.logprobs", "Logprob")
+    assert logprob is not None and all(logprob.has_member(n) for n in ("logprob", "rank", "decoded_token"))
+    names = tree.module("vllm.tokenizers.detokenizer_utils")
+    assert names is not None and "def convert_ids_list_to_tokens(" in ast.unparse(names), version
 
 
 def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_stream(
