@@ -76,7 +76,16 @@ class ModelNotFoundError(EngineError):
 
 class EngineVersionError(EngineError):
     """An engine runs a vLLM release outside the supported range, or prefill and decode run different
-    releases (vLLM >= 0.34 refuses such a NIXL handshake; older ones may read KV of another layout)."""
+    releases (vLLM >= 0.34 refuses such a NIXL handshake; older ones may read KV of another layout), or a
+    part of agentkv's vLLM plugin finds vLLM's code elsewhere than where it wraps it."""
+
+    @classmethod
+    def plugin_part(cls, env: str, what: str, exc: Exception) -> EngineVersionError:
+        """The part switched on by `env` cannot wrap `what` in this vLLM (`exc` says why)."""
+        return cls(
+            f"{env}: this vLLM's {what} is not where agentkv's plugin wraps it ({exc}); "
+            f"set {env}=off to leave it as shipped"
+        )
 
 
 class WarmUpError(EngineError):

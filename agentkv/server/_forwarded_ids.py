@@ -249,10 +249,7 @@ def install(*, always: bool) -> bool:
         preprocess = online_renderer.OnlineRenderer.preprocess_chat
         render = BaseRenderer.render_chat_async
     except (ImportError, AttributeError) as exc:
-        raise EngineVersionError(
-            f"AGENTKV_FORWARDED_IDS: this vLLM's chat rendering is not where agentkv's plugin wraps it "
-            f"({exc}); set AGENTKV_FORWARDED_IDS=off to leave it as shipped"
-        ) from exc
+        raise EngineVersionError.plugin_part("AGENTKV_FORWARDED_IDS", "chat rendering", exc) from exc
     if not getattr(preprocess, "agentkv_wrapped", False):
         online_renderer.OnlineRenderer.preprocess_chat = _wrap_preprocess_chat(preprocess)  # type: ignore[method-assign]
     if not getattr(render, "agentkv_wrapped", False):

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import logging
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from agentkv._exceptions import EngineVersionError
 from agentkv._wire import KV_KEY, PREFILL_LOGPROBS_KEY, PREFILL_TOKEN_KEY
 
 __all__ = ["install", "refusal"]
+
+logger = logging.getLogger("vllm.agentkv.prefill_token")
 
 _GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it samples greedily
 _TAIL = 8  # the prompt ids token 1's text is decoded against (a byte-level run spans a few ids)
@@ -240,8 +243,10 @@ async def _with_token(
             yield out
 
 
-def install() -> None:
-    """Wrap `AsyncLLM.generate` (0.26-0.34); raises `EngineVersionError` where it is not there."""
+def install() -> bool:
+    """Wrap `AsyncLLM.generate` (0.26-0.34); True when in place. Where it is not there the engine serves as
+    vLLM ships, which is safe (decode ignores the router's token and computes the prompt's last token
+    again), so this logs why instead of stopping vLLM's start."""
     try:
         from vllm.logprobs import Logprob
         from vllm.sampling_params import RequestOutputKind
@@ -251,9 +256,8 @@ def install() -> None:
         original = AsyncLLM.generate
         vllm = _VLLM(kinds=RequestOutputKind, logprob=Logprob, to_tokens=convert_ids_list_to_tokens)
     except (ImportError, AttributeError) as exc:
-        raise EngineVersionError(
-            f"AGENTKV_PREFILL_TOKEN: this vLLM's engine client is not where agentkv's plugin wraps it "
-            f"({exc}); set AGENTKV_PREFILL_TOKEN=off to leave it as shipped"
-        ) from exc
+        logger.warning("%s", EngineVersionError.plugin_part("AGENTKV_PREFILL_TOKEN", "engine client", exc))
+        return False
     if not getattr(original, "agentkv_wrapped", False):
         AsyncLLM.generate = _wrap_generate(original, vllm)  # type: ignore[method-assign]
+    return True

@@ -250,3 +250,18 @@ def test_a_client_going_away_closes_vllms_generator_at_once(monkeypatch: pytest.
         assert closed == [True]
 
     asyncio.run(first_then_leave())
+
+
+def test_a_vllm_without_the_engine_client_it_wraps_serves_as_shipped_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Unlike a cut body, a token decode cannot start from is safe to ignore (decode computes the prompt's
+    last token as vLLM ships): the start goes on, with a warning that names the switch."""
+    import sys
+
+    from agentkv.server import _prefill_token
+
+    monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", None)  # importing it raises ImportError
+    with caplog.at_level("WARNING", logger="vllm.agentkv.prefill_token"):
+        assert _prefill_token.install() is False
+    assert "AGENTKV_PREFILL_TOKEN=off" in caplog.text
