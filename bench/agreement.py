@@ -325,9 +325,16 @@ def _serving(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _pd_side(
-    args: argparse.Namespace, seeds: range, logs: Path, kv_config: dict[str, Any], label: str = ""
+    args: argparse.Namespace,
+    seeds: range,
+    logs: Path,
+    kv_config: dict[str, Any],
+    label: str = "",
+    *,
+    counters: dict[str, dict[str, float]],
 ) -> list[dict[str, Any]]:
-    """The P/D sides on one 1P1D cluster whose engines get ``kv_config``; ``label`` ends each side's name."""
+    """The P/D sides on one 1P1D cluster whose engines get ``kv_config``; ``label`` ends each side's name.
+    Decode's agentkv counters at the end go into ``counters`` under the label."""
     from agentkv.server._cluster import Cluster, ClusterConfig
     from bench._servers import router_server
 
@@ -402,7 +409,8 @@ def _pd_side(
                     DECODE_ALONE_SIDE + label, seeds, reuse=reuse, recompute=again, wordlevel=args.wordlevel
                 )
             # Which of decode's first steps started from prefill's token (agentkv_prefill_tokens_total).
-            print(f"decode's agentkv counters{label}: {plugin_counts(urls['decode_url'])}")
+            counters[label or "default"] = plugin_counts(urls["decode_url"])
+            print(f"decode's agentkv counters{label}: {counters[label or 'default']}")
             return rows
     finally:
         cluster.down()
@@ -606,17 +614,23 @@ def main(argv: list[str] | None = None) -> None:
     args.wordlevel = Words(args.model, seed=0).wordlevel
     seeds = range(900, 900 + args.seeds)
     logs = Path(".agentkv/bench-logs/agreement")
+    counters: dict[str, dict[str, float]] = {}
     pd_rows = []
     if args.sides != "single":
         base = dict(args.kv_config)
-        pd_rows = _pd_side(args, seeds, logs / "pd", base)
+        pd_rows = _pd_side(args, seeds, logs / "pd", base, counters=counters)
         if args.also_kv_config:
             label = " [" + ", ".join(f"{k}={json.dumps(v)}" for k, v in args.also_kv_config) + "]"
             also = {**base, **dict(args.also_kv_config)}
-            pd_rows += _pd_side(args, seeds, logs / "pd-also", also, label)
+            pd_rows += _pd_side(args, seeds, logs / "pd-also", also, label, counters=counters)
     if pd_rows:
         # Written now as well, so that a run stopped while the single server runs keeps the P/D sides.
-        partial = {"partial": "P/D sides only", "summary": _summary(pd_rows), "turns": _public(pd_rows)}
+        partial = {
+            "partial": "P/D sides only",
+            "summary": _summary(pd_rows),
+            "decode_counters": counters,
+            "turns": _public(pd_rows),
+        }
         write_results(NAME, partial, out_dir=args.out)
     rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
     summary = _summary(rows)
@@ -651,7 +665,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = results_dir(NAME, args.out)
     plot(rows, out)
-    write_results(NAME, {"summary": summary, "turns": _public(rows)}, out_dir=args.out)
+    data = {"summary": summary, "decode_counters": counters, "turns": _public(rows)}
+    write_results(NAME, data, out_dir=args.out)
 
 
 if __name__ == "__main__":
