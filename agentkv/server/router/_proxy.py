@@ -329,12 +329,14 @@ class TurnRunner:
 
         # Set before the hop: once P has the params it may have read (and so freed) decode's blocks.
         turn.used_retained = retained is not None
+        # The client's top logprobs, asked of prefill for the token decode starts from and forwarded with it.
+        logprobs = self._asked_logprobs(turn) if rendered is not None else None
         t0 = time.perf_counter()
 
         async def attempt(p: BackendState) -> dict[str, Any]:
             async with self._computing(p, turn):
                 if rendered is not None:
-                    return await self._token_prefill(p, turn, rendered, prefill_params(retained))
+                    return await self._token_prefill(p, turn, rendered, prefill_params(retained), logprobs)
                 body = prefill_body(turn.body, retained, responses=turn.dialect == "responses")
                 return await sv.hops.post_json(
                     p, turn.api_path, body, turn.request_id, total_s=self._s.timeouts.prefill_s
@@ -367,7 +369,6 @@ class TurnRunner:
         if retained is not None and isinstance(pulled, int) and not isinstance(pulled, bool):
             turn.pulled_tokens = pulled
         salt = f"agentkv-{turn.request_id}" if self._s.exact else None
-        logprobs = self._asked_logprobs(turn) if rendered is not None else None
         body = decode_body(
             turn.body,
             kv,
@@ -391,10 +392,15 @@ class TurnRunner:
         return asked_logprobs(turn.body, chat=turn.api_path == CHAT_PATH)
 
     async def _token_prefill(
-        self, p: BackendState, turn: Turn, rendered: dict[str, Any], kv_params: dict[str, Any]
+        self,
+        p: BackendState,
+        turn: Turn,
+        rendered: dict[str, Any],
+        kv_params: dict[str, Any],
+        logprobs: int | None,
     ) -> dict[str, Any]:
         """The token path's prefill hop on prefill ``p``: the generate route where ``p`` takes it, else an id
-        prompt (`agentkv._wire.token_prefill`)."""
+        prompt (`agentkv._wire.token_prefill`), asking ``logprobs`` top logprobs of its token."""
         sv = self._sv
 
         async def post(generate: bool) -> dict[str, Any]:
@@ -403,7 +409,7 @@ class TurnRunner:
                 model=turn.body.get("model"),
                 kv_params=kv_params,
                 generate=generate,
-                logprobs=self._asked_logprobs(turn),
+                logprobs=logprobs,
             )
             return await sv.hops.post_json(p, path, body, turn.request_id, total_s=self._s.timeouts.prefill_s)
 
