@@ -396,15 +396,20 @@ def prefill_token(answer: dict[str, Any]) -> int | None:
     if ids is None:  # the completions route: "token_id:N" as its logprob's token
         logprobs = choice.get("logprobs")
         tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
-        if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], str):
+        if not isinstance(tokens, list) or len(tokens) != 1:
             return None
-        name, _, number = tokens[0].partition(":")
-        ids = [int(number)] if name == "token_id" and number.isdigit() else None
+        ids = [_token_id(tokens[0])]
     if not isinstance(ids, list) or len(ids) != 1:
         return None
     token = ids[0]
     # bool is an int subclass, hence the exact type check.
     return token if type(token) is int and token >= 0 else None
+
+
+def _token_id(name: Any) -> int | None:
+    """The id in a completions logprob's token as `return_tokens_as_token_ids` names it (``token_id:N``)."""
+    kind, _, number = name.partition(":") if isinstance(name, str) else ("", "", "")
+    return int(number) if kind == "token_id" and number.isdigit() else None
 
 
 def _one_choice(answer: dict[str, Any]) -> dict[str, Any] | None:
@@ -446,8 +451,7 @@ def prefill_logprobs(answer: dict[str, Any], k: int) -> dict[str, Any] | None:
         if not isinstance(tops, list) or len(tops) != 1 or not isinstance(tops[0], dict):
             return None
         for rank, (name, value) in enumerate(tops[0].items(), start=1):
-            kind, _, number = name.partition(":")
-            top.append([int(number) if kind == "token_id" and number.isdigit() else None, value, rank])
+            top.append([_token_id(name), value, rank])
     if not top or any(type(i) is not int or type(v) is not float for i, v, _ in top):
         return None
     return {"k": k, "top": top}
