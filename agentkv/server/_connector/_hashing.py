@@ -221,11 +221,11 @@ def decode_loaded_tokens(
     decode batch, which decode's CUDA graph (``FULL_DECODE_ONLY``) computes, where one server computes the
     token inside the prompt's prefill: P/D's recompute gives the one-prefill answer in ~90 % of turns with P
     and D under the same graph setting (``bench/results/agreement_h100_prefill_graphs/``). Two tokens or more
-    make the step a prefill. The load keeps its
-    block count: NIXL pairs decode's blocks with prefill's by count, the remote list's last blocks first when
-    decode's is shorter (its prefix-cache case), so a load ending one block earlier would read every block one
-    place off. So the tail stays inside the prompt's last block (at most its tokens there less one), and
-    where that leaves fewer than two, ``count`` is returned unchanged, as for a prompt not fully offered.
+    make the step a prefill. The load keeps its block count: NIXL pairs decode's blocks with prefill's by
+    count, the remote list's last blocks first when decode's is shorter (its prefix-cache case), so a load
+    ending one block earlier would read every block one place off. So the tail stays inside the prompt's last
+    block (at most its tokens there less one), and where that leaves fewer than two, ``count`` is returned
+    unchanged, as for a prompt not fully offered.
     """
     if tail <= 1 or block_size <= 0 or num_computed + count != num_prompt_tokens:
         return count
