@@ -26,9 +26,8 @@ def kv_config_item(text: str) -> tuple[str, Any]:
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:
     """`--tokenizer-cache`, `--detokenizer-prime-tokens`, `--forwarded-ids`, `--prefill-token` and
-    `--fast-json`: the reuse
-    legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user runs it without agentkv)
-    never do."""
+    `--fast-json`: the reuse legs' engines run agentkv's plugin with them; the stock legs (vLLM as a user
+    runs it without agentkv) never do."""
     ap.add_argument(
         "--tokenizer-cache",
         choices=TOKENIZER_CACHE_MODES,

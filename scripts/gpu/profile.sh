@@ -27,8 +27,8 @@ rm -rf "$D"; mkdir -p "$D" "$OUT"
       esac
       echo "$cmd" > "$D/$role-$pid.cmd"
       # --nonblocking: never pause the server being measured.
-      "$SPY" record --nonblocking ${SPY_SUBPROCESSES:+--subprocesses} -r "${SPY_RATE:-200}" -f raw -o "$D/$role-$pid.txt" \
-        -p "$pid" -d 590 >/dev/null 2>&1 &
+      "$SPY" record --nonblocking ${SPY_SUBPROCESSES:+--subprocesses} -r "${SPY_RATE:-200}" -f raw \
+        -o "$D/$role-$pid.txt" -p "$pid" -d 590 >/dev/null 2>&1 &
     done
     sleep 1
   done
