@@ -3,7 +3,8 @@
 A greedy P/D turn through the router then computes what one server computes: prefill computes the prompt and
 samples token 1, decode loads exactly that KV and computes token 1 in its first step. The one server here
 is the cluster's prefill engine asked directly (same model and settings, its own prefill and decode steps).
-The suite's other turns ask for logprobs, which the handoff leaves to vLLM's own path; these do not.
+The suite's other P/D turns (which ask logprobs) run through the handoff too; these compare with one server
+directly and read decode's counter of which path each hop took.
 """
 
 from __future__ import annotations
