@@ -22,37 +22,38 @@ from ._helpers import HTTP_TIMEOUT_S, MODEL, RouterProc, conversation_script, me
 USED = "agentkv_prefill_tokens_total"
 
 
-def _answer(
-    url: str, messages: list[dict[str, Any]], *, stream: bool, cid: str | None = None, **extra: Any
-) -> tuple[list[int], str]:
-    """A greedy chat answer without logprobs: its token ids (`return_token_ids`) and text."""
-    body = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": 16,
-        "temperature": 0,
-        "return_token_ids": True,
-        "stream": stream,
-        **extra,
-    }
+def _choices(
+    url: str, messages: list[dict[str, Any]], *, stream: bool, cid: str | None, **extra: Any
+) -> list[dict[str, Any]]:
+    """A greedy chat answer's choices: the one choice, or every streamed chunk's."""
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "stream": stream, **extra}
     headers = {"x-session-id": cid} if cid else {}
     if not stream:
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
         assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        return list(choice["token_ids"]), choice["message"]["content"] or ""
-    ids: list[int] = []
-    text = ""
+        return list(r.json()["choices"])
+    choices: list[dict[str, Any]] = []
     with httpx.stream(
         "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S
     ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices") or []:
-                ids += choice.get("token_ids") or []
-                text += (choice.get("delta") or {}).get("content") or ""
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices += json.loads(line[6:]).get("choices") or []
+    return choices
+
+
+def _answer(
+    url: str, messages: list[dict[str, Any]], *, stream: bool, cid: str | None = None, **extra: Any
+) -> tuple[list[int], str]:
+    """A greedy chat answer without logprobs: its token ids (`return_token_ids`) and text."""
+    ids: list[int] = []
+    text = ""
+    for choice in _choices(
+        url, messages, stream=stream, cid=cid, max_tokens=16, return_token_ids=True, **extra
+    ):
+        ids += choice.get("token_ids") or []
+        text += (choice.get("delta") or choice.get("message") or {}).get("content") or ""
     return ids, text
 
 
@@ -135,7 +136,7 @@ def test_an_answers_logprobs_are_one_servers_token_one_from_prefill(
     engine's own answer, streamed and not."""
     p_url, d_url = cluster.prefills[0].spec.url, cluster.decodes[0].spec.url
     messages = [{"role": "user", "content": conversation_script(46, 1)[0]}]
-    asked = {"logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": False}
+    asked: dict[str, Any] = {"logprobs": True, "top_logprobs": 3, "return_tokens_as_token_ids": False}
     for stream in (False, True):
         before = _counts(d_url)
         got = _logprobs(router.url, messages, stream=stream, cid=new_id("logprobs"), **asked)
@@ -148,26 +149,7 @@ def _logprobs(
     url: str, messages: list[dict[str, Any]], *, stream: bool, cid: str | None = None, **extra: Any
 ) -> list[Any]:
     """A greedy answer's logprobs content (each token's text, logprob, bytes and top logprobs)."""
-    body = {
-        "model": MODEL,
-        "messages": messages,
-        "max_tokens": 8,
-        "temperature": 0,
-        "stream": stream,
-        **extra,
-    }
-    headers = {"x-session-id": cid} if cid else {}
-    if not stream:
-        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S)
-        assert r.status_code == 200, r.text
-        return list(r.json()["choices"][0]["logprobs"]["content"])
     content: list[Any] = []
-    with httpx.stream(
-        "POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=HTTP_TIMEOUT_S
-    ) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:]).get("choices") or []:
-                    content += (choice.get("logprobs") or {}).get("content") or []
+    for choice in _choices(url, messages, stream=stream, cid=cid, max_tokens=8, **extra):
+        content += (choice.get("logprobs") or {}).get("content") or []
     return content
