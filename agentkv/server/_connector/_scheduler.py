@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
-from agentkv._wire import RETAIN_KEY, cut_offer
+from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens
 from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
@@ -283,7 +283,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                     num_prompt_tokens=request.num_prompt_tokens,
                     tail=self._tail(request.kv_transfer_params),
                 )
-                params.update(cut_offer(params, n, self.block_size))
+            else:
+                n = prefix_cache_tokens(n, self.block_size)
+            params.update(cut_offer(params, n, self.block_size))
             ids = request.all_token_ids
             chain = self._chain(request, ids, n)
             params[FINGERPRINTS_KEY] = chain.hex()

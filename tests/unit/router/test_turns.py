@@ -91,13 +91,16 @@ async def test_second_turn_sends_decodes_retained_params_to_prefill(
     # The sticky decode served both turns.
     assert len(engines.requests("d0", CHAT)) == 2
     # This fake decode sends no token fingerprints (like stock vLLM): only turn 1's prompt may be pulled,
-    # not the 3 generated tokens, which can re-tokenize differently when sent back as text.
+    # not the 3 generated tokens, which can re-tokenize differently when sent back as text; of the prompt,
+    # its whole blocks (block size 4 from decode's /metrics), as vLLM's prefix cache would reuse it.
     prompt = retained["remote_num_tokens"] - 3
-    assert p_params["remote_num_tokens"] == prompt
-    assert int(r.headers["x-agentkv-reused-tokens"]) == prompt
-    # ...and the block list ends where those tokens do (block size 4 from decode's /metrics): a stock prefill
-    # end-aligns the list, so a longer one would be read shifted by a block.
-    n_blocks = -(-prompt // 4)
+    whole = prompt - prompt % 4
+    assert 0 < whole < prompt  # this fake's prompt ends inside a block
+    assert p_params["remote_num_tokens"] == whole
+    assert int(r.headers["x-agentkv-reused-tokens"]) == whole
+    # ...and the block list ends where those tokens do: a stock prefill end-aligns the list, so a longer
+    # one would be read shifted by a block.
+    n_blocks = whole // 4
     assert len(retained["remote_block_ids"][0]) > n_blocks
     assert p_params["remote_block_ids"] == [retained["remote_block_ids"][0][:n_blocks]]
 

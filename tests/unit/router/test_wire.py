@@ -20,6 +20,7 @@ from agentkv._wire import (
     decode_local_body,
     pack_ids,
     prefill_body,
+    prefix_cache_tokens,
     unpack_ids,
     with_prompt_ids,
 )
@@ -543,3 +544,11 @@ def test_a_decode_hop_that_would_render_keeps_its_messages(
     out = cut_messages(decode_local_body(body, prompt_ids=[1, 2], pack=pack))
     assert out["messages"] == messages and MESSAGES_CUT_KEY not in out[KV_KEY]
     assert cut_messages({"model": "m", "prompt": "x"}) == {"model": "m", "prompt": "x"}
+
+
+def test_the_default_offer_is_what_vllms_prefix_cache_would_reuse() -> None:
+    # Whole blocks only: the partial last block (decode's newest tokens) is left for prefill to compute.
+    assert prefix_cache_tokens(300 + 20 - 1, 16) == 304
+    assert prefix_cache_tokens(320, 16) == 320
+    assert prefix_cache_tokens(15, 16) == 0
+    assert prefix_cache_tokens(0, 128) == 0
