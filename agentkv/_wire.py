@@ -300,9 +300,10 @@ def prefix_cache_tokens(computed: int, block_size: int) -> int:
 
     The default mode offers decode-computed KV as vLLM's prefix cache reuses it, no more. The partial last
     block is decode's newest tokens, each computed in a decode step, which rounds differently from a prefill
-    (``prefill_computed_tokens``); one vLLM server recomputes that block on the next turn. Pulling it too
-    made reuse turns depart from a recompute in 21 of 192 greedy turns against the single server's 6
-    (``bench/results/agreement_h100_handoff/``).
+    (``prefill_computed_tokens``); one vLLM server computes that block again on the next turn. On an H100,
+    pulls that read it departed from a recompute in 21 of 192 greedy turns against the single server's 6;
+    whole blocks only, 11 against 4 (``bench/results/agreement_h100_handoff/``,
+    ``agreement_h100_whole_blocks/``).
     """
     return max(0, computed - computed % block_size)
 

@@ -6,12 +6,15 @@
 #   .whl/stage.part{0,1,2}   vLLM 0.26.0 + NIXL 1.3.1 in three parts: with the tracked tree (~19 MB) a call
 #                 carries at most 64 MiB, so the recipe's two parts of ~47 MiB do not fit beside it
 #   .whl/deps/    agentkv's own small dependencies the GPU image lacks (installed by scripts/gpu/_prelude.sh)
-#   .spy/py-spy   the profiler for scripts/gpu/profile.sh (one static binary, ~8 MB; carry it with part 0 or 1)
-# Then on the GPU host, three calls back to back (bench/README.md, "Next on the GPU"):
+#   .spy/py-spy   the profiler for scripts/gpu/profile.sh (one static binary, ~8 MB)
+# Then on the GPU host, calls back to back (bench/README.md, "Next on the GPU"); a part beside the tracked
+# tree leaves no room for more, so the tiny model and py-spy travel in a call of their own:
 #   bash .gpu/stash.sh 0            carry [".whl/stage.part0", ".gpu/stash.sh"]
 #   bash .gpu/stash.sh 1            carry [".whl/stage.part1", ".gpu/stash.sh"]
+#   cp -r .agentkv/models/tiny /root/tiny && mkdir -p /root/spy && cp .spy/py-spy /root/spy/
+#                                   carry [".agentkv/models/tiny", ".spy"]   (when a run needs them)
 #   bash .gpu/stash.sh 2 && bash .gpu/setup.sh && export PYTHONPATH=/root/site && <benchmark>
-#                                   carry [".whl/stage.part2", ".gpu", ".whl/deps"] (+ ".agentkv/models/tiny")
+#                                   carry [".whl/stage.part2", ".gpu", ".whl/deps"]
 set -euo pipefail
 REPO=$(git rev-parse --show-toplevel); cd "$REPO"
 SHARED=${SHARED:-$REPO/../shared/gpu}

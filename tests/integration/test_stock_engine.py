@@ -131,8 +131,8 @@ def test_guarded_router_on_stock_engines_keeps_answers(
     on, reuse = run_case(assistant_text_shortened, stock_router.url, script)
     assert not _differs_beyond_rounding(on, off), (on, off)
     # The shortened answer is not part of what the router reuses: a stock offer is cut to the previous
-    # prompt's whole blocks, and the token check finds the new prompt's ids extending exactly those; the shortened answer
-    # and the new message are recomputed on prefill.
+    # prompt's whole blocks, and the token check finds the new prompt's ids extending exactly those; the
+    # shortened answer and the new message are recomputed on prefill.
     assert reuse == ["miss", "hit", "hit"], reuse
 
 
@@ -153,8 +153,9 @@ def test_stock_offer_is_pulled_with_its_block_list_cut_to_the_prompt(
     stock_router: RouterProc, stock_off: RouterProc
 ) -> None:
     """A stock decode offers prompt + answer - 1 tokens; the router pulls only the previous prompt's whole
-    blocks (what vLLM's prefix cache would reuse) and must cut the block list with the tokens: a stock prefill end-aligns the remote list to its own blocks, so the
-    answer's extra block (40 tokens: at least one more 32-token block) would shift every block read."""
+    blocks (what vLLM's prefix cache would reuse) and must cut the block list with the tokens: a stock
+    prefill end-aligns the remote list to its own blocks, so the answer's extra block (40 tokens: at least
+    one more 32-token block) would shift every block read."""
     script = conversation_script(340, 3, letters=True)  # a shifted read must change the answer
     cid = new_id("cut")
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
