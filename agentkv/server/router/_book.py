@@ -78,7 +78,8 @@ class TurnBook:
             whole = prefix_cache_tokens(prompt, block_size) if block_size is not None else 0
             if block_size is None or whole == 0:
                 # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
-                # shifted blocks): without decode's block size, no reuse rather than a wrong answer.
+                # shifted blocks): without decode's block size, no reuse rather than a wrong answer; and none
+                # where the prompt fills no block.
                 retained, expires_at, state, tokens = None, None, "none", 0
             else:
                 retained, tokens = cut_offer(retained, whole, block_size), whole

@@ -105,6 +105,19 @@ async def test_second_turn_sends_decodes_retained_params_to_prefill(
     assert p_params["remote_block_ids"] == [retained["remote_block_ids"][0][:n_blocks]]
 
 
+async def test_stock_decode_whose_prompt_fills_no_block_is_not_pulled(
+    engines: FakeEngines, make_client
+) -> None:
+    # vLLM's prefix cache reuses whole blocks only: a 6-token prompt offers nothing with 8-token blocks.
+    engines.d_fingerprints, engines.block_size = False, 8
+    async with make_client(exact=False) as client:
+        first = (await chat(client, USER1)).json()
+        r = await chat(client, next_messages(USER1, first))
+        assert r.status_code == 200
+        assert r.headers["x-agentkv-reuse"] != "hit" and r.headers["x-agentkv-reused-tokens"] == "0"
+        assert engines.completions("p")[1]["kv_transfer_params"]["remote_block_ids"] is None
+
+
 async def test_stock_decode_of_unknown_block_size_is_not_pulled(engines: FakeEngines, make_client) -> None:
     # Without decode's block size the router cannot cut the offer's block list to the prompt: no reuse.
     engines.d_fingerprints, engines.block_size = False, None
