@@ -3,18 +3,19 @@
 #   bash scripts/gpu/stage.sh        # ~2-10 min (downloads, then xz)
 # Makes (all ignored by git through .git/info/exclude):
 #   .gpu/         ../shared/gpu's recipe, with its model (Qwen3-8B shape, 131072 positions for the long runs)
-#   .whl/stage.part{0,1,2}   vLLM 0.26.0 + NIXL 1.3.1 in three parts: with the tracked tree (~19 MB) a call
-#                 carries at most 64 MiB, so the recipe's two parts of ~47 MiB do not fit beside it
+#   .whl/stage.part{0,1,2,3}   vLLM 0.26.0 + NIXL 1.3.1 in four parts of ~25 MB: a call carries at most
+#                 64 MiB with the tracked tree (~30 MB), so the recipe's two parts of ~47 MiB do not fit beside it
 #   .whl/deps/    agentkv's own small dependencies the GPU image lacks (installed by scripts/gpu/_prelude.sh)
 #   .spy/py-spy   the profiler for scripts/gpu/profile.sh (one static binary, ~8 MB)
-# Then on the GPU host, calls back to back (bench/README.md, "Next on the GPU"); a part beside the tracked
-# tree leaves no room for more, so the tiny model and py-spy travel in a call of their own:
-#   bash .gpu/stash.sh 0            carry [".whl/stage.part0", ".gpu/stash.sh"]
-#   bash .gpu/stash.sh 1            carry [".whl/stage.part1", ".gpu/stash.sh"]
-#   cp -r .agentkv/models/tiny /root/tiny && mkdir -p /root/spy && cp .spy/py-spy /root/spy/
-#                                   carry [".agentkv/models/tiny", ".spy"]   (when a run needs them)
-#   bash .gpu/stash.sh 2 && bash .gpu/setup.sh && export PYTHONPATH=/root/site && <benchmark>
-#                                   carry [".whl/stage.part2", ".gpu", ".whl/deps"]
+# Then on the GPU host, four calls back to back (bench/README.md, "Next on the GPU"); the tiny model and
+# py-spy ride with a part each, where there is room:
+#   bash .gpu/stash.sh 0 && mkdir -p /root/spy && cp .spy/py-spy /root/spy/
+#                                   carry [".whl/stage.part0", ".gpu/stash.sh", ".spy"]
+#   bash .gpu/stash.sh 1 && cp -r .agentkv/models/tiny /root/tiny
+#                                   carry [".whl/stage.part1", ".gpu/stash.sh", ".agentkv/models/tiny"]
+#   bash .gpu/stash.sh 2            carry [".whl/stage.part2", ".gpu/stash.sh"]
+#   bash .gpu/stash.sh 3 && bash .gpu/setup.sh && export PYTHONPATH=/root/site && <benchmark>
+#                                   carry [".whl/stage.part3", ".gpu", ".whl/deps"]
 set -euo pipefail
 REPO=$(git rev-parse --show-toplevel); cd "$REPO"
 SHARED=${SHARED:-$REPO/../shared/gpu}
@@ -23,10 +24,10 @@ mkdir -p "$(dirname "$EXCLUDE")"; touch "$EXCLUDE"
 for p in /.whl/ /.gpu/; do grep -qxF "$p" "$EXCLUDE" || echo "$p" >> "$EXCLUDE"; done
 
 rm -rf .gpu && cp -r "$SHARED" .gpu && chmod -R u+w .gpu
-# Three parts, and setup.sh unpacks however many there are.
-sed -i 's/split -n 2 -d/split -n 3 -d/' .gpu/build_stage.sh
+# Four parts, and setup.sh unpacks however many there are.
+sed -i 's/split -n 2 -d/split -n 4 -d/' .gpu/build_stage.sh
 sed -i 's#cat /root/stage/stage.part0 /root/stage/stage.part1 |#cat /root/stage/stage.part* |#' .gpu/setup.sh
-grep -q 'split -n 3' .gpu/build_stage.sh && grep -q 'stage.part\* |' .gpu/setup.sh \
+grep -q 'split -n 4' .gpu/build_stage.sh && grep -q 'stage.part\* |' .gpu/setup.sh \
   || { echo "stage.sh: ../shared/gpu changed; adapt the edits above" >&2; exit 1; }
 
 python3 -c "import tokenizers" 2>/dev/null || python3 -m pip install -q tokenizers
