@@ -10,6 +10,8 @@
                                               # its own (experiments, not agentkv's hops)
     python -m bench.agreement --sides default --decode-alone
                                               # also P/D's decode engine served as a single server
+    python -m bench.agreement --sides default --single-env VLLM_KV_CACHE_LAYOUT=HND
+                                              # the single server with P/D's KV layout
     bash scripts/gpu/agreement.sh OUT         # the GPU host: bf16 on CUDA, 8B shape with dummy weights
 
 The standard users already accept is vLLM's own prefix cache: a single server answers a turn from KV it
@@ -435,6 +437,10 @@ def _single_side(
     """The single server's own side, then its fresh answer to every P/D reuse turn (the common reference)."""
     from agentkv.server._launcher import Engine, EngineSpec
 
+    serving = _serving(args)
+    # Only the single server's: e.g. decode's KV layout (VLLM_KV_CACHE_LAYOUT=HND, which the NIXL connector
+    # gives P/D's engines), to tell that setting apart from reuse.
+    serving["env"] = {**serving.get("env", {}), **dict(e.split("=", 1) for e in args.single_env)}
     spec = EngineSpec(
         role="single",
         model=args.model,
@@ -442,7 +448,7 @@ def _single_side(
         port=21950,
         max_model_len=4096,
         prefix_caching=True,
-        **_serving(args),
+        **serving,
         log_path=logs / "single.log",
     )
     engine = Engine(spec=spec, name="single")
@@ -565,6 +571,9 @@ def main(argv: list[str] | None = None) -> None:
         default=[],
         help="one vLLM argument for the P/D clusters' prefill only, after the launcher's (repeatable): e.g. "
         "decode's CUDA graphs and prefix caching, to tell prefill's settings from KV crossing engines",
+    )
+    ap.add_argument(
+        "--single-env", action="append", default=[], help="KEY=VALUE for the single server only (repeatable)"
     )
     ap.add_argument(
         "--kv-config",
