@@ -37,8 +37,10 @@ difference of the first token's logprob. A P/D recompute is not a single server'
 prompt's last token alone over prefill's KV. So the single server also answers every P/D side's reuse turns
 with a fresh salt (one prefill of the whole prompt), and each P/D side reports how often its reuse answer and
 its recompute each equal that common reference, with Fisher's exact p of each share against the single
-server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). Writes ``agreement.json`` and
-``agreement.png``.
+server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). Every side starts each seed's
+conversation from the same words (their cache salts keep their KV apart), so a side's reuse turn and the
+single server's on the same history pair up: McNemar's exact p over the pairs where only one of them departed
+(``p_paired_vs_single``). Writes ``agreement.json`` and ``agreement.png``.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ def _text(rng: random.Random, lo: int, hi: int, *, wordlevel: bool) -> str:
 
 
 def _sender(url: str, model: str) -> Send:
-    """``send(messages, key)``: one greedy turn; ``key`` is the conversation id (router) or cache salt."""
+    """``send(messages, key)``: one greedy turn; ``key`` is the conversation: its id for a router and its
+    cache salt for every engine it reaches (a router passes a client's salt on), so that sides sending the
+    same words never share KV."""
 
-    def send(messages: list[dict[str, str]], key: str | None, *, salt: bool = False) -> dict[str, Any]:
+    def send(messages: list[dict[str, str]], key: str | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
             "messages": messages,
@@ -93,9 +97,8 @@ def _sender(url: str, model: str) -> Send:
             "return_tokens_as_token_ids": True,
         }
         headers = {}
-        if key is not None and salt:
+        if key is not None:
             body["cache_salt"] = key
-        elif key is not None:
             headers["x-session-id"] = key
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600)
         r.raise_for_status()
@@ -139,10 +142,11 @@ def _conversation(
     rows = []
     rng = random.Random(seed)
     key = f"agree-{uuid.uuid4().hex[:12]}"
+    # The same words on every side (each side's salt keeps their KV apart): turns pair across sides.
     history = [
         {
             "role": "user",
-            "content": uuid.uuid4().hex + " " + _text(rng, 150, 300, wordlevel=wordlevel),
+            "content": f"{rng.getrandbits(128):032x} " + _text(rng, 150, 300, wordlevel=wordlevel),
         }
     ]
     answer = reuse(history, key)["text"]
@@ -423,10 +427,10 @@ def single_server_sides(send: Send) -> tuple[Send, Send]:
     (its earlier turns' KV is reused), and a fresh salt (nothing is)."""
 
     def reuse(messages: list[dict[str, str]], key: str | None) -> dict[str, Any]:
-        return send(messages, key, salt=True)
+        return send(messages, key)
 
     def recompute(messages: list[dict[str, str]]) -> dict[str, Any]:
-        return send(messages, uuid.uuid4().hex, salt=True)
+        return send(messages, uuid.uuid4().hex)
 
     return reuse, recompute
 
@@ -530,8 +534,8 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def fisher_p(a: int, n1: int, b: int, n2: int) -> float:
     """Two-sided p of Fisher's exact test: `a` of `n1` against `b` of `n2` (the probability, under equal
-    rates, of a table at most as likely as this one). Unpaired: the sides' histories share each seed's words
-    but not their random first line or their own earlier answers, so turn-by-turn pairing is loose."""
+    rates, of a table at most as likely as this one). Unpaired: it ignores which turns the sides share
+    (`paired_p` uses them)."""
     k, n = a + b, n1 + n2
 
     def table(x: int) -> float:
@@ -556,6 +560,40 @@ def _against_single(summary: dict[str, dict[str, Any]]) -> None:
         s["p_vs_single"] = round(fisher_p(s["same_tokens"], s["turns"], same, n), 4)
         if s["same_as_reference"] is not None:
             s["p_vs_single_reference"] = round(fisher_p(s["same_as_reference"], s["turns"], same, n), 4)
+
+
+def paired_p(only_a: int, only_b: int) -> float:
+    """Two-sided p of McNemar's exact test: of the pairs where exactly one side departed from its recompute,
+    `only_a` were side a's and `only_b` side b's (a binomial at 1/2 over those pairs)."""
+    n = only_a + only_b
+    tail = sum(comb(n, k) for k in range(min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def _paired_with_single(rows: list[dict[str, Any]], summary: dict[str, dict[str, Any]]) -> None:
+    """Per side, its reuse turns beside the single server's on the same history (same seed and turn, same
+    messages: every side starts from the seed's words, and a history parts once an earlier answer differed):
+    how many such pairs, in how many only this side or only the single server departed from its recompute,
+    and McNemar's exact p. Sharper than the unpaired p: a turn that any rounding tips counts on both sides."""
+    single = {(r["seed"], r["turn"]): r for r in rows if r["side"] == "single server"}
+    if not single:
+        return
+    for side, s in summary.items():
+        if side == "single server":
+            continue
+        pairs = [
+            (r["same_tokens"], o["same_tokens"])
+            for r in rows
+            if r["side"] == side
+            and (o := single.get((r["seed"], r["turn"]))) is not None
+            and o["history"] == r["history"]
+        ]
+        only_side = sum(not mine and theirs for mine, theirs in pairs)
+        only_single = sum(mine and not theirs for mine, theirs in pairs)
+        s["paired_turns"] = len(pairs)
+        s["paired_only_side_departs"] = only_side
+        s["paired_only_single_departs"] = only_single
+        s["p_paired_vs_single"] = round(paired_p(only_side, only_single), 4)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -644,6 +682,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = pd_rows + _single_side(args, seeds, logs, pd_rows)
     summary = _summary(rows)
     _against_single(summary)
+    _paired_with_single(rows, summary)
     print_table(
         "greedy agreement of reuse turns with a recompute",
         [
@@ -656,6 +695,7 @@ def main(argv: list[str] | None = None) -> None:
             "from P's first token = single recompute",
             "router: reused (verdicts)",
             "p vs single (own / reference)",
+            "paired: only it / only single departs (p)",
         ],
         [
             [
@@ -668,6 +708,12 @@ def main(argv: list[str] | None = None) -> None:
                 s.get("first_token_recompute_same_as_reference", "-"),
                 f"{s['reused']} ({', '.join(s['paths'])})" if side != "single server" else "-",
                 f"{s['p_vs_single']} / {s.get('p_vs_single_reference', '-')}" if "p_vs_single" in s else "-",
+                (
+                    f"{s['paired_only_side_departs']} / {s['paired_only_single_departs']} of "
+                    f"{s['paired_turns']} ({s['p_paired_vs_single']})"
+                    if "paired_turns" in s
+                    else "-"
+                ),
             ]
             for side, s in summary.items()
         ],

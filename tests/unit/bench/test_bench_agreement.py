@@ -1,4 +1,4 @@
-"""bench.agreement's comparison with the single server: Fisher's exact test on textbook tables."""
+"""bench.agreement: its senders, the sides' pairing, Fisher's and McNemar's tests, the first-token runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ from bench.agreement import (
     _block_size,
     _first_token_side,
     _from_prefill_first_token,
+    _paired_with_single,
+    _sender,
     fisher_p,
+    paired_p,
     run_side,
     single_server_sides,
 )
@@ -54,10 +57,10 @@ def test_connector_keys_from_the_command_line() -> None:
 
 
 def test_a_single_server_reuses_under_the_conversations_salt_and_recomputes_under_a_fresh_one() -> None:
-    calls: list[tuple[str | None, bool]] = []
+    keys: list[str | None] = []
 
-    def send(messages: list[dict[str, str]], key: str | None, *, salt: bool = False) -> dict[str, object]:
-        calls.append((key, salt))
+    def send(messages: list[dict[str, str]], key: str | None) -> dict[str, object]:
+        keys.append(key)
         return {"tokens": []}
 
     reuse, recompute = single_server_sides(send)
@@ -66,10 +69,77 @@ def test_a_single_server_reuses_under_the_conversations_salt_and_recomputes_unde
     reuse(history, "conv-1")
     recompute(history)
     recompute(history)
-    assert calls[:2] == [("conv-1", True), ("conv-1", True)]
-    fresh = [key for key, _ in calls[2:]]
-    assert all(salt for _, salt in calls[2:])
-    assert len(set(fresh)) == 2 and "conv-1" not in fresh
+    assert keys[:2] == ["conv-1", "conv-1"]
+    fresh = keys[2:]
+    assert len(set(fresh)) == 2 and "conv-1" not in fresh and None not in fresh
+
+
+@respx.mock
+def test_a_conversations_key_is_its_id_and_its_salt_and_no_key_sends_neither() -> None:
+    answer = {
+        "choices": [
+            {
+                "message": {"content": "ok"},
+                "logprobs": {"content": [{"token": "token_id:7", "logprob": -0.5}]},
+            }
+        ],
+        "usage": {"prompt_tokens_details": {"cached_tokens": 3}},
+    }
+    route = respx.post("http://r/v1/chat/completions").respond(json=answer)
+    send = _sender("http://r", "m")
+    turn = send([{"role": "user", "content": "hi"}], "conv-1")
+    assert turn["tokens"] == ["token_id:7"] and turn["cached_tokens"] == 3
+    sent = route.calls[0].request
+    assert json.loads(sent.content)["cache_salt"] == "conv-1" and sent.headers["x-session-id"] == "conv-1"
+    send([{"role": "user", "content": "hi"}], None)
+    sent = route.calls[1].request
+    assert "cache_salt" not in json.loads(sent.content) and "x-session-id" not in sent.headers
+
+
+def test_every_side_starts_from_the_seeds_words() -> None:
+    firsts: list[str] = []
+
+    def reuse(messages: list[dict[str, str]], key: str | None) -> dict[str, object]:
+        if len(messages) == 1:
+            firsts.append(messages[0]["content"])
+        return {"text": "a", "tokens": ["t"], "first_logprob": 0.0, "reuse": None, "cached_tokens": None}
+
+    for side in ("one side", "another"):
+        run_side(side, range(5, 7), reuse=reuse, recompute=lambda m: reuse(m, None), wordlevel=False)
+    assert firsts[:2] == firsts[2:] and firsts[0] != firsts[1]
+
+
+def test_mcnemars_exact_p() -> None:
+    # 1 of 9 discordant pairs against 8: 2 * (1 + 9) / 512.
+    assert paired_p(1, 8) == pytest.approx(20 / 512)
+    assert paired_p(8, 1) == paired_p(1, 8)
+    assert paired_p(3, 3) == 1.0 and paired_p(0, 0) == 1.0
+
+
+def test_reuse_turns_pair_with_the_single_servers_on_the_same_history() -> None:
+    def row(side: str, seed: int, same: bool, history: str = "h") -> dict[str, object]:
+        return {"side": side, "seed": seed, "turn": 2, "same_tokens": same, "history": [history]}
+
+    rows = [
+        row("P/D default", 1, False),
+        row("P/D default", 2, False),
+        row("P/D default", 3, True),
+        row("P/D default", 4, False, history="parted"),  # another history: not a pair
+        row("single server", 1, True),
+        row("single server", 2, False),
+        row("single server", 3, False),
+        row("single server", 4, True),
+    ]
+    summary: dict[str, dict[str, object]] = {"P/D default": {}, "single server": {}}
+    _paired_with_single(rows, summary)
+    side = summary["P/D default"]
+    assert (side["paired_turns"], side["paired_only_side_departs"], side["paired_only_single_departs"]) == (
+        3,
+        1,
+        1,
+    )
+    assert side["p_paired_vs_single"] == 1.0
+    assert "paired_turns" not in summary["single server"]
 
 
 def _completion(
