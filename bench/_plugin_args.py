@@ -9,7 +9,23 @@ from typing import Any
 
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
-__all__ = ["add_fast_json_arg", "add_plugin_args", "add_prefill_cache_arg", "kv_config_item", "plugin_fields"]
+__all__ = [
+    "add_fast_json_arg",
+    "add_plugin_args",
+    "add_prefill_cache_arg",
+    "env_item",
+    "kv_config_item",
+    "plugin_fields",
+]
+
+
+def env_item(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` of an engine environment flag (an argparse ``type``), refused at parse time rather than
+    at the engines' start."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def kv_config_item(text: str) -> tuple[str, Any]:

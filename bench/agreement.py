@@ -59,7 +59,7 @@ import httpx
 from agentkv._wire import KV_KEY, decode_body, prefill_params, token_prefill
 from agentkv.server.router._backend import block_size_of
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
-from bench._plugin_args import kv_config_item
+from bench._plugin_args import env_item, kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words, plugin_counts
 
 NAME = "agreement"
@@ -444,7 +444,7 @@ def _single_side(
     serving = _serving(args)
     # Only the single server's: e.g. decode's KV layout (VLLM_KV_CACHE_LAYOUT=HND, which the NIXL connector
     # gives P/D's engines), to tell that setting apart from reuse.
-    serving["env"] = {**serving.get("env", {}), **dict(e.split("=", 1) for e in args.single_env)}
+    serving["env"] = {**serving.get("env", {}), **dict(args.single_env)}
     spec = EngineSpec(
         role="single",
         model=args.model,
@@ -611,7 +611,11 @@ def main(argv: list[str] | None = None) -> None:
         "decode's CUDA graphs and prefix caching, to tell prefill's settings from KV crossing engines",
     )
     ap.add_argument(
-        "--single-env", action="append", default=[], help="KEY=VALUE for the single server only (repeatable)"
+        "--single-env",
+        action="append",
+        default=[],
+        type=env_item,
+        help="KEY=VALUE for the single server only (repeatable)",
     )
     ap.add_argument(
         "--kv-config",

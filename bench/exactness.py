@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
+from bench._plugin_args import env_item
 from bench.multiturn_sweep import FILLER_WORDS, gpu_words
 
 NAME = "exactness"
@@ -103,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="gpu: the H200, dummy weights")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra vLLM flag (repeat)")
-    ap.add_argument("--env", action="append", default=[], help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument(
+        "--env", action="append", default=[], type=env_item, help="KEY=VALUE for the engines (repeat)"
+    )
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args(argv)
     seeds = range(700, 700 + args.seeds)
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     plot(rows, results_dir(NAME, args.out), title=f"reuse turns vs an independent recompute ({mode})")
     data = {"exact": args.exact, "turns": rows, "bit_identical": identical, "changed": changed, "hits": hits}
-    write_results(NAME, {**data, "device": args.device, "engine_env": args.env}, out_dir=args.out)
+    write_results(NAME, {**data, "device": args.device, "engine_env": dict(args.env)}, out_dir=args.out)
 
 
 def _words(device: str) -> list[str] | None:
@@ -160,7 +163,7 @@ def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]
         ensure_tiny_model(Path(args.model))
         serving = tiny_serving()
     serving["extra_args"] = [*serving.get("extra_args", []), *args.engine_arg]
-    serving["env"] = {**serving.get("env", {}), **dict(e.split("=", 1) for e in args.env)}
+    serving["env"] = {**serving.get("env", {}), **dict(args.env)}
     logs = Path(".agentkv/bench-logs/exactness")
     cfg = ClusterConfig(
         model=args.model,

@@ -54,7 +54,7 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, kv_config_item, plugin_fields
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, env_item, kv_config_item, plugin_fields
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -240,7 +240,7 @@ class _Deployment:
         from agentkv.server._launcher import free_port
 
         args = self.args
-        env = dict(e.split("=", 1) for e in args.env or [])
+        env = dict(args.env or [])
         log_dir = Path(args.log_dir) / self.group
         t = time.monotonic()
         if self.group == "agg":
@@ -505,7 +505,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
-    ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument("--env", action="append", type=env_item, help="KEY=VALUE for the engines (repeat)")
     add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")

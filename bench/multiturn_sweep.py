@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, plugin_fields
+from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, env_item, plugin_fields
 
 NIXL = {
     "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
@@ -415,7 +415,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         lease_s=args.lease_s,
         log_dir=Path(args.log_dir) / leg,
         extra_args=extra_args,
-        env=dict(e.split("=", 1) for e in args.env or []),
+        env=dict(args.env or []),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         **plugin_fields(args, reuse=on),
         prefill_port=args.port_base + 100,
@@ -456,7 +456,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         prefix_caching=True,
         cpu_kvcache_gib=2,  # on CPU, the KV space of P and D together (1 GiB each)
         extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
-        env=dict(e.split("=", 1) for e in args.env or []),
+        env=dict(args.env or []),
         **plugin_fields(args, reuse=False),  # vLLM as a user would run it alone
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
@@ -701,7 +701,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
-    ap.add_argument("--env", action="append", help="KEY=VALUE for the engines (repeat)")
+    ap.add_argument("--env", action="append", type=env_item, help="KEY=VALUE for the engines (repeat)")
     add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--port-base", type=int, default=21000)

@@ -8,7 +8,7 @@ import json
 import pytest
 import respx
 
-from bench._plugin_args import kv_config_item
+from bench._plugin_args import env_item, kv_config_item
 from bench.agreement import (
     TurnFailed,
     _against_single,
@@ -54,6 +54,18 @@ def test_connector_keys_from_the_command_line() -> None:
     }
     with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
         kv_config_item("agentkv_decode_tail_tokens")
+
+
+def test_engine_environment_from_the_command_line() -> None:
+    # Values stay text (an environment holds strings), '=' after the first belongs to the value.
+    assert dict(map(env_item, ["VLLM_KV_CACHE_LAYOUT=HND", "X=a=b", "EMPTY="])) == {
+        "VLLM_KV_CACHE_LAYOUT": "HND",
+        "X": "a=b",
+        "EMPTY": "",
+    }
+    for bad in ("VLLM_KV_CACHE_LAYOUT", "=HND"):
+        with pytest.raises(argparse.ArgumentTypeError, match="KEY=VALUE"):
+            env_item(bad)
 
 
 def test_a_single_server_reuses_under_the_conversations_salt_and_recomputes_under_a_fresh_one() -> None:
