@@ -251,9 +251,10 @@ class StubState:
         tool_call = None
         messages = body.get("messages") or []
         # Answer a user turn with a call to the first tool, so tool-call pass-through is exercised.
-        wants_tool = chat and body.get("tools") and body.get("tool_choice") != "none"
-        if wants_tool and messages and messages[-1].get("role") == "user":
-            tool_call = _tool_call(body["tools"][0], external_id)
+        tools = body.get("tools") if chat and body.get("tool_choice") != "none" else None
+        last = messages[-1] if messages else None
+        if isinstance(tools, list) and tools and isinstance(last, dict) and last.get("role") == "user":
+            tool_call = _tool_call(tools[0], external_id)
             finish = "tool_calls"
         text_tokens = [] if tool_call else [f" t{i}" for i in range(n_tokens)]
         held = n_tokens - 1 if tool_call is None else 0  # the last sampled token is never computed
@@ -403,8 +404,11 @@ class StubState:
         }
 
 
-def _tool_call(tool: dict[str, Any], external_id: str) -> dict[str, Any]:
-    name = (tool.get("function") or {}).get("name", "tool")
+def _tool_call(tool: Any, external_id: str) -> dict[str, Any]:
+    # Whatever a client put in `tools` (the router passes it on as vLLM would receive it): a stub engine
+    # answers, it does not crash on a malformed entry.
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name", "tool") if isinstance(function, dict) else "tool"
     return {
         "id": f"call_{external_id[:16]}",
         "type": "function",
