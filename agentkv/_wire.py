@@ -46,6 +46,7 @@ __all__ = [
     "render_path",
     "rendered_request",
     "reusable_tokens",
+    "take_prefill_token",
     "token_prefill",
     "unpack_ids",
     "with_prompt_ids",
@@ -416,9 +417,20 @@ def prefill_token(answer: dict[str, Any]) -> int | None:
         ids = [_token_id(tokens[0])]
     if not isinstance(ids, list) or len(ids) != 1:
         return None
-    token = ids[0]
-    # bool is an int subclass, hence the exact type check.
-    return token if type(token) is int and token >= 0 else None
+    return _natural(ids[0])
+
+
+def take_prefill_token(kv: dict[str, Any]) -> tuple[int | None, Any]:
+    """Pop prefill's token and its logprobs off decode's `kv_transfer_params` (`decode_body` put them there;
+    neither reaches the engine): the id (None where none came or it is not an id) and the logprobs as they
+    came."""
+    return _natural(kv.pop(PREFILL_TOKEN_KEY, None)), kv.pop(PREFILL_LOGPROBS_KEY, None)
+
+
+def _natural(value: Any) -> int | None:
+    """`value` where it is an int >= 0 (a token id, a count of top logprobs), else None; bool is an int
+    subclass, hence the exact type check."""
+    return value if type(value) is int and value >= 0 else None
 
 
 def _token_id(name: Any) -> int | None:
@@ -440,11 +452,8 @@ def asked_logprobs(body: dict[str, Any], *, chat: bool) -> int | None:
         if body.get("logprobs") is not True:
             return None
         top = body.get("top_logprobs")
-        if top is None:
-            return 0
-        return top if type(top) is int and top >= 0 else None
-    top = body.get("logprobs")
-    return top if type(top) is int and top >= 0 else None
+        return 0 if top is None else _natural(top)
+    return _natural(body.get("logprobs"))
 
 
 def prefill_logprobs(answer: dict[str, Any], k: int) -> dict[str, Any] | None:

@@ -29,11 +29,9 @@ def env_item(text: str) -> tuple[str, str]:
 
 
 def kv_config_item(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` of a ``--kv-config`` flag (an argparse ``type``): the value as JSON where it parses
-    (numbers, booleans), else text."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    """``KEY=VALUE`` of a ``--kv-config`` flag (an argparse ``type``, split and checked as `env_item` does):
+    the value as JSON where it parses (numbers, booleans), else text."""
+    key, value = env_item(text)
     try:
         return key, json.loads(value)
     except ValueError:

@@ -33,7 +33,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from agentkv._exceptions import EngineVersionError
-from agentkv._wire import KV_KEY, PREFILL_LOGPROBS_KEY, PREFILL_TOKEN_KEY
+from agentkv._wire import KV_KEY, take_prefill_token
 
 __all__ = ["install", "refusal"]
 
@@ -127,16 +127,11 @@ def _token_text(tokenizer: Any, tail: Sequence[int], token: int, params: Any) ->
 
 
 def _take_token(params: Any) -> tuple[int | None, Any]:
-    """Pop prefill's token and its logprobs off the request's `kv_transfer_params` (neither reaches the
-    engine): the id (None where none came or it is not an id) and the logprobs as they came."""
+    """Prefill's token and its logprobs, taken off the request's `kv_transfer_params`
+    (`agentkv._wire.take_prefill_token`); (None, None) where the request has none."""
     extra = getattr(params, "extra_args", None)
     kv = extra.get(KV_KEY) if isinstance(extra, dict) else None
-    if not isinstance(kv, dict):
-        return None, None
-    token = kv.pop(PREFILL_TOKEN_KEY, None)
-    logprobs = kv.pop(PREFILL_LOGPROBS_KEY, None)
-    # bool is an int subclass, hence the exact type check.
-    return (token if type(token) is int and token >= 0 else None), logprobs
+    return take_prefill_token(kv) if isinstance(kv, dict) else (None, None)
 
 
 def _count(result: str) -> None:
