@@ -40,7 +40,8 @@ its recompute each equal that common reference, with Fisher's exact p of each sh
 server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). Every side starts each seed's
 conversation from the same words (their cache salts keep their KV apart), so a side's reuse turn and the
 single server's on the same history pair up: McNemar's exact p over the pairs where only one of them departed
-(``p_paired_vs_single``). Writes ``agreement.json`` and ``agreement.png``.
+(``p_paired_vs_single``), and in how many pairs the two reuse answers, and the two recomputes, are the same
+tokens (``paired_same_reuse_answer``, ``paired_same_recompute_answer``). Writes ``agreement.json`` and ``agreement.png``.
 """
 
 from __future__ import annotations
@@ -582,18 +583,24 @@ def _paired_with_single(rows: list[dict[str, Any]], summary: dict[str, dict[str,
         if side == "single server":
             continue
         pairs = [
-            (r["same_tokens"], o["same_tokens"])
+            (r, o)
             for r in rows
             if r["side"] == side
             and (o := single.get((r["seed"], r["turn"]))) is not None
             and o["history"] == r["history"]
         ]
-        only_side = sum(not mine and theirs for mine, theirs in pairs)
-        only_single = sum(mine and not theirs for mine, theirs in pairs)
+        only_side = sum(not r["same_tokens"] and o["same_tokens"] for r, o in pairs)
+        only_single = sum(r["same_tokens"] and not o["same_tokens"] for r, o in pairs)
         s["paired_turns"] = len(pairs)
         s["paired_only_side_departs"] = only_side
         s["paired_only_single_departs"] = only_single
         s["p_paired_vs_single"] = round(paired_p(only_side, only_single), 4)
+        # Which half of a departure is whose: the side's reuse answer against the single server's reuse answer
+        # (prefix cache ON), and its recompute against the single server's (OFF).
+        s["paired_same_reuse_answer"] = sum(r.get("tokens") == o.get("tokens") for r, o in pairs)
+        s["paired_same_recompute_answer"] = sum(
+            r.get("recompute_tokens") == o.get("recompute_tokens") for r, o in pairs
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -700,6 +707,7 @@ def main(argv: list[str] | None = None) -> None:
             "router: reused (verdicts)",
             "p vs single (own / reference)",
             "paired: only it / only single departs (p)",
+            "paired: same reuse / recompute answer as single",
         ],
         [
             [
@@ -715,6 +723,11 @@ def main(argv: list[str] | None = None) -> None:
                 (
                     f"{s['paired_only_side_departs']} / {s['paired_only_single_departs']} of "
                     f"{s['paired_turns']} ({s['p_paired_vs_single']})"
+                    if "paired_turns" in s
+                    else "-"
+                ),
+                (
+                    f"{s['paired_same_reuse_answer']} / {s['paired_same_recompute_answer']}"
                     if "paired_turns" in s
                     else "-"
                 ),

@@ -129,16 +129,26 @@ def test_mcnemars_exact_p() -> None:
 
 
 def test_reuse_turns_pair_with_the_single_servers_on_the_same_history() -> None:
-    def row(side: str, seed: int, same: bool, history: str = "h") -> dict[str, object]:
-        return {"side": side, "seed": seed, "turn": 2, "same_tokens": same, "history": [history]}
+    def row(
+        side: str, seed: int, same: bool, history: str = "h", *, tokens: str = "a", recompute: str = "a"
+    ) -> dict[str, object]:
+        return {
+            "side": side,
+            "seed": seed,
+            "turn": 2,
+            "same_tokens": same,
+            "history": [history],
+            "tokens": [tokens],
+            "recompute_tokens": [recompute],
+        }
 
     rows = [
-        row("P/D default", 1, False),
-        row("P/D default", 2, False),
-        row("P/D default", 3, True),
+        row("P/D default", 1, False, recompute="b"),  # its reuse answer is the single server's, its OFF is not
+        row("P/D default", 2, False, recompute="d"),
+        row("P/D default", 3, True, tokens="c", recompute="c"),
         row("P/D default", 4, False, history="parted"),  # another history: not a pair
         row("single server", 1, True),
-        row("single server", 2, False),
+        row("single server", 2, False, recompute="d"),
         row("single server", 3, False),
         row("single server", 4, True),
     ]
@@ -151,6 +161,7 @@ def test_reuse_turns_pair_with_the_single_servers_on_the_same_history() -> None:
         1,
     )
     assert side["p_paired_vs_single"] == 1.0
+    assert (side["paired_same_reuse_answer"], side["paired_same_recompute_answer"]) == (2, 1)
     assert "paired_turns" not in summary["single server"]
 
 
