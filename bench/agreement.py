@@ -41,7 +41,8 @@ server's own (issue 15's standard: ``p_vs_single``, ``p_vs_single_reference``). 
 conversation from the same words (their cache salts keep their KV apart), so a side's reuse turn and the
 single server's on the same history pair up: McNemar's exact p over the pairs where only one of them departed
 (``p_paired_vs_single``), and in how many pairs the two reuse answers, and the two recomputes, are the same
-tokens (``paired_same_reuse_answer``, ``paired_same_recompute_answer``). Writes ``agreement.json`` and ``agreement.png``.
+tokens (``paired_same_reuse_answer``, ``paired_same_recompute_answer``). Writes ``agreement.json`` and
+``agreement.png``.
 """
 
 from __future__ import annotations

@@ -115,6 +115,18 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
     }
     assert reused["p"] > 0 and hashed["p"] > 0, (reused, hashed)
     assert reused["d"] == 0 and hashed["d"] > 0, (reused, hashed)
+    # vLLM's own block hashes the same way (`_block_hashes`): prefill took turns 2 and 3's from the turn
+    # before; decode's salted prompts share no hash with an earlier one, so it computed every block.
+    vllm_reused = {
+        side: a["block_hashes_reused"] - b["block_hashes_reused"]
+        for side, a, b in (("p", p1, p0), ("d", d1, d0))
+    }
+    vllm_computed = {
+        side: a["block_hashes_computed"] - b["block_hashes_computed"]
+        for side, a, b in (("p", p1, p0), ("d", d1, d0))
+    }
+    assert vllm_reused["p"] > 0 and vllm_computed["p"] > 0, (vllm_reused, vllm_computed)
+    assert vllm_reused["d"] == 0 and vllm_computed["d"] > 0, (vllm_reused, vllm_computed)
 
 
 def _late_turn_with_stale_params(

@@ -148,6 +148,13 @@ def _chain_share(before: dict[str, int], after: dict[str, int]) -> str:
     return f"{reused}/{reused + hashed}"
 
 
+def _hash_share(before: dict[str, int], after: dict[str, int]) -> str:
+    """Prompt blocks whose vLLM block hash came from an earlier prompt, of all, between two stats."""
+    reused = after["block_hashes_reused"] - before["block_hashes_reused"]
+    computed = after["block_hashes_computed"] - before["block_hashes_computed"]
+    return f"{reused}/{reused + computed}"
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
 def test_default_mode_reuses_only_the_same_tokens(
     case: Callable[..., None],
@@ -181,10 +188,16 @@ def test_default_mode_reuses_only_the_same_tokens(
         # Unsalted decode turns of one conversation: decode's connector starts each turn's fingerprints from
         # the chain the previous turn left (found through vLLM's block hashes), as prefill's does.
         assert d_after["fingerprint_blocks_reused"] > d_before["fingerprint_blocks_reused"]
+        # vLLM's own block hashes of the turn's prompt, likewise taken from the previous turn's on both
+        # engines (`_block_hashes`): the answers above are those of engines that hashed only the new blocks.
+        for b, a in ((before, after), (d_before, d_after)):
+            assert a["block_hashes_reused"] > b["block_hashes_reused"], case.__name__
     same = sum(a[1] == b[1] for a, b in zip(on, off, strict=True))
     cached = {"P": _chain_share(before, after), "D": _chain_share(d_before, d_after)}
+    vllm_hashes = {"P": _hash_share(before, after), "D": _hash_share(d_before, d_after)}
     report(
         f"default mode {case.__name__}: {reuse}, pulled {after['tokens_pulled'] - before['tokens_pulled']} "
         f"tokens, first logprob compared on {compared} turns, token ids equal on {same}/{len(on)}, "
-        f"fingerprint blocks from earlier chains {cached}"
+        f"fingerprint blocks from earlier chains {cached}, vLLM block hashes from earlier prompts "
+        f"{vllm_hashes}"
     )

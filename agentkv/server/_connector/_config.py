@@ -56,6 +56,10 @@ class ConnectorSettings:
     # graph and rounds unlike a prefill. 2 makes that step a (two-token) prefill; see
     # `_hashing.decode_loaded_tokens`. 1 = vLLM's own.
     decode_tail_tokens: int = 1
+    # Prompt ids whose vLLM block hashes the engine core keeps, so that a turn extending an earlier prompt
+    # hashes only its new blocks (`_block_hashes`; ~1 MB of ids a 127k-token conversation); 0 = vLLM hashes
+    # every block of every request.
+    block_hash_reuse_tokens: int = 1 << 20
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
@@ -88,13 +92,17 @@ class ConnectorSettings:
             if get("worker_busy_loop_s", None) in (None, "")
             else float(get("worker_busy_loop_s", None)),
             decode_tail_tokens=int(get("decode_tail_tokens", cls.decode_tail_tokens)),
+            block_hash_reuse_tokens=int(get("block_hash_reuse_tokens", cls.block_hash_reuse_tokens)),
         )
         if s.lease_s <= 0 or s.max_lease_s < s.lease_s:
             raise ValueError("need 0 < agentkv_lease_s <= agentkv_max_lease_s")
         if s.decode_tail_tokens < 1:
             raise ValueError("agentkv_decode_tail_tokens must be >= 1 (1: vLLM's own)")
-        if s.progress_delay_us < 0 or s.idle_sleep_max_ms < 0:
-            raise ValueError("agentkv_progress_delay_us and agentkv_idle_sleep_max_ms must be >= 0")
+        if s.progress_delay_us < 0 or s.idle_sleep_max_ms < 0 or s.block_hash_reuse_tokens < 0:
+            raise ValueError(
+                "agentkv_progress_delay_us, agentkv_idle_sleep_max_ms and agentkv_block_hash_reuse_tokens "
+                "must be >= 0"
+            )
         if not 0 < s.max_retained_fraction <= 1 or (
             s.max_retained_blocks is not None and s.max_retained_blocks < 0
         ):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens
+from agentkv.server._connector._block_hashes import install as install_hash_reuse
 from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server._connector._cost import PullCostModel
 from agentkv.server._connector._hashing import (
@@ -103,6 +104,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
         self._pulled: dict[str, int] = {}
         # Fingerprint chains of earlier turns, so a turn hashes only its new blocks (both roles).
         self._chains = ChainCache()
+        # vLLM's own block hashes likewise: its engine core builds its hasher after this scheduler.
+        self._hash_reuse = install_hash_reuse(max_tokens=self.agentkv.block_hash_reuse_tokens)
         self._idle_sleep = 0.0
         self._input_queue: queue.Queue[Any] | Literal[False] | None = None  # None: not looked up yet
         if self.is_decode and self.is_bidirectional_kv_xfer_enabled and self.agentkv.service_port:
@@ -143,7 +146,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "fixed_ttl_s": None if self.leases else self.decoder_kv_blocks_ttl,
             "block_size": self.block_size,
             "prefix_check": self.agentkv.prefix_check,
-            "stats": dict(self.stats),
+            "stats": self._stats(),
             "cost_model": self.cost.snapshot(),
             "vllm_version": vllm.__version__,
             # The API server next to this engine takes the router's forwarded prompt ids (the same plugin
@@ -157,6 +160,13 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             # remote_registration_generation): blocks offered under an older one are gone.
             "registration_generation": getattr(self, "_registration_generation", None),
         }
+
+    def _stats(self) -> dict[str, int]:
+        stats = dict(self.stats)
+        if self._hash_reuse is not None:  # counted where vLLM hashes (its input thread), read here
+            stats["block_hashes_computed"] = self._hash_reuse.computed
+            stats["block_hashes_reused"] = self._hash_reuse.reused
+        return stats
 
     # --- prefill: verify and trim what decode offers ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:

@@ -41,6 +41,8 @@ COUNTERS = {
     "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
     "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
     "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
+    "block_hashes_computed": "prompt blocks whose vLLM prefix-cache hash vLLM computed on arrival",
+    "block_hashes_reused": "prompt blocks whose vLLM prefix-cache hash came from an earlier prompt's",
 }
 
 

@@ -143,7 +143,7 @@ def test_reuse_turns_pair_with_the_single_servers_on_the_same_history() -> None:
         }
 
     rows = [
-        row("P/D default", 1, False, recompute="b"),  # its reuse answer is the single server's, its OFF is not
+        row("P/D default", 1, False, recompute="b"),  # its reuse answer is the single server's, its OFF not
         row("P/D default", 2, False, recompute="d"),
         row("P/D default", 3, True, tokens="c", recompute="c"),
         row("P/D default", 4, False, history="parted"),  # another history: not a pair

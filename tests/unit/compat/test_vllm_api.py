@@ -191,6 +191,53 @@ def test_a_decode_that_loads_less_than_the_prompt_computes_the_rest(source: tupl
     assert len(rerun) == 1, version
 
 
+def test_the_engine_core_builds_its_block_hasher_after_our_connector_and_from_the_name_we_wrap(
+    source: tuple[str, Path],
+) -> None:
+    """`_connector/_block_hashes.install` wraps `vllm.v1.engine.core.get_request_block_hasher` from our
+    scheduler's constructor and hands vLLM's hasher a request holding the reused hashes: sound while the
+    engine core calls that module-level name after building its scheduler, the hasher starts after the
+    hashes a request holds and chains from the last one, a request stores what the hasher returns, and a
+    block hash mixes in no key but LoRA, multimodal inputs, the cache salt (first block) and prompt
+    embeddings."""
+    version, root = source
+    tree = Tree(root)
+    core = tree.module("vllm.v1.engine.core")
+    assert core is not None, version
+    imported = {
+        alias.name
+        for stmt in core.body
+        if isinstance(stmt, ast.ImportFrom) and stmt.module == "vllm.v1.core.kv_cache_utils"
+        for alias in stmt.names
+    }
+    assert "get_request_block_hasher" in imported, version
+    engine = tree.cls("vllm.v1.engine.core", "EngineCore")
+    init = engine.method("__init__") if engine is not None else None
+    assert init is not None, version
+    body = ast.unparse(init)
+    assert (
+        0
+        < body.index("self.scheduler: SchedulerInterface = Scheduler(")
+        < body.index("self.request_block_hasher = get_request_block_hasher(")
+    ), version
+    utils = tree.module("vllm.v1.core.kv_cache_utils")
+    assert utils is not None, version
+    functions = {f.name: ast.unparse(f) for f in utils.body if isinstance(f, ast.FunctionDef)}
+    hasher = functions["get_request_block_hasher"]
+    assert "start_token_idx = len(request.block_hashes) * hash_block_size" in hasher, version
+    assert "request.block_hashes[-1] if request.block_hashes else None" in hasher, version
+    extra = functions["generate_block_hash_extra_keys"]
+    keys = "extra_keys: list[Any] = lora_extra_keys + mm_extra_keys + cache_salt_keys + prompt_embeds_keys"
+    assert keys in extra, version
+    assert "start_token_idx == 0 and request.cache_salt" in extra, version
+    request = tree.cls("vllm.v1.request", "Request")
+    update = request.method("update_block_hashes") if request is not None else None
+    assert update is not None, version
+    assert "self.block_hashes.extend(self._block_hasher(self))" in ast.unparse(update), version
+    for name in ("mm_features", "lora_request", "prompt_embeds", "cache_salt", "prompt_token_ids"):
+        assert request is not None and request.has_member(name), (version, name)
+
+
 def test_the_check_fails_on_a_real_break(source: tuple[str, Path]) -> None:
     """Mutations of vLLM's source (renamed method, changed signature, dropped attribute, moved class): each
     must be reported, so a pass above means something."""
