@@ -11,6 +11,7 @@ from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODE
 
 __all__ = [
     "add_fast_json_arg",
+    "add_kv_config_arg",
     "add_plugin_args",
     "add_prefill_cache_arg",
     "env_item",
@@ -36,6 +37,19 @@ def kv_config_item(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_kv_config_arg(ap: argparse.ArgumentParser) -> None:
+    """`--kv-config KEY=VALUE` (repeatable) into the P/D engines' ``kv_connector_extra_config``."""
+    ap.add_argument(
+        "--kv-config",
+        action="append",
+        default=[],
+        type=kv_config_item,
+        metavar="KEY=VALUE",
+        help="one key of the P/D engines' kv_connector_extra_config (repeatable; the value as JSON, else "
+        "a string), e.g. agentkv_block_hash_reuse_tokens=0",
+    )
 
 
 def add_plugin_args(ap: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ import httpx
 from agentkv._wire import KV_KEY, decode_body, prefill_params, token_prefill
 from agentkv.server.router._backend import block_size_of
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
-from bench._plugin_args import env_item, kv_config_item
+from bench._plugin_args import add_kv_config_arg, env_item, kv_config_item
 from bench.multiturn_sweep import FILLER_WORDS, Words, gpu_words, plugin_counts
 
 NAME = "agreement"
@@ -625,15 +625,7 @@ def main(argv: list[str] | None = None) -> None:
         type=env_item,
         help="KEY=VALUE for the single server only (repeatable)",
     )
-    ap.add_argument(
-        "--kv-config",
-        action="append",
-        default=[],
-        type=kv_config_item,
-        metavar="KEY=VALUE",
-        help="one key of the P/D engines' kv_connector_extra_config (repeatable; the value as JSON, else "
-        "a string), e.g. agentkv_decode_tail_tokens=2",
-    )
+    add_kv_config_arg(ap)
     ap.add_argument(
         "--also-kv-config",
         action="append",

@@ -54,7 +54,13 @@ from bench._agentload import (
     trace_plans,
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, env_item, kv_config_item, plugin_fields
+from bench._plugin_args import (
+    add_kv_config_arg,
+    add_plugin_args,
+    add_prefill_cache_arg,
+    env_item,
+    plugin_fields,
+)
 
 NAME = "goodput"
 LEGS = ("off", "floor", "on", "exact", "agg")
@@ -495,13 +501,7 @@ def _parser() -> argparse.ArgumentParser:
         help="extra vLLM flag for P only, after --engine-arg (repeat; vLLM takes a flag's last value)",
     )
     ap.add_argument("--decode-engine-arg", action="append", help="the same for D only")
-    ap.add_argument(
-        "--kv-config",
-        action="append",
-        type=kv_config_item,
-        help="KEY=VALUE into the P/D engines' kv_connector_extra_config (repeat; VALUE read as JSON where it "
-        "parses), e.g. agentkv_max_retained_fraction=0.3",
-    )
+    add_kv_config_arg(ap)
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )

@@ -48,7 +48,13 @@ from typing import Any
 
 import httpx
 
-from bench._plugin_args import add_plugin_args, add_prefill_cache_arg, env_item, plugin_fields
+from bench._plugin_args import (
+    add_kv_config_arg,
+    add_plugin_args,
+    add_prefill_cache_arg,
+    env_item,
+    plugin_fields,
+)
 
 NIXL = {
     "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
@@ -416,6 +422,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         log_dir=Path(args.log_dir) / leg,
         extra_args=extra_args,
         env=dict(args.env or []),
+        extra_kv_config=dict(args.kv_config or []),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         **plugin_fields(args, reuse=on),
         prefill_port=args.port_base + 100,
@@ -702,6 +709,7 @@ def main(argv: list[str] | None = None) -> None:
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
     ap.add_argument("--env", action="append", type=env_item, help="KEY=VALUE for the engines (repeat)")
+    add_kv_config_arg(ap)
     add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--port-base", type=int, default=21000)
@@ -797,7 +805,13 @@ def main(argv: list[str] | None = None) -> None:
                     )
                 finally:
                     router_proc.stop()
-            plugin[leg] = {e.spec.role: plugin_counts(e.spec.url) for e in cluster.engines}
+            # The plugin's counters (API server) and the connector's (engine core, on its service's /metrics).
+            plugin[leg] = {
+                e.spec.role: {**plugin_counts(e.spec.url), **plugin_counts(e.spec.service_url)}
+                if e.spec.service_url
+                else plugin_counts(e.spec.url)
+                for e in cluster.engines
+            }
         finally:
             cluster.down()
     for shape in shapes:
@@ -806,8 +820,8 @@ def main(argv: list[str] | None = None) -> None:
             "shape": shape,
             "requests": rows[shape],
             "summary": summarize(rows[shape], shape),
-            # Each engine's plugin counters (tokenizer cache, detokenizer tail, forwarded ids) at the end of
-            # its leg (all shapes of the leg together).
+            # Each engine's plugin counters (tokenizer cache, detokenizer tail, forwarded ids) and its
+            # connector's (`connector_...`: block hashes, pulls) at the end of its leg (all its shapes).
             "plugin": plugin,
         }
         out_dir = Path(args.out or f"bench/results/multiturn_sweep_{args.device}")
