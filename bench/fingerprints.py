@@ -8,7 +8,9 @@ A turn at a context of N tokens: decode's previous turn finished at ``N - suffix
 request holds N. Per length:
 
 - vLLM: a ``Request`` built with vLLM's block hasher (what the engine core does for every request it is
-  sent), less the same ``Request`` built without one, for each ``--prefix-caching-hash-algo``;
+  sent), less the same ``Request`` built without one, for each ``--prefix-caching-hash-algo``; and with
+  sha256 through agentkv's ``_block_hashes`` holding the previous turn's prompt (what the engine core does
+  under agentkv's connector: the shared blocks' hashes taken, the ids compared, the new blocks hashed);
 - agentkv, whole chain: every full block hashed from its tokens (what the connector did on every hop);
 - agentkv, from the previous chain: ``ChainCache`` holding the previous turn's chain, found through the new
   request's vLLM block hashes (what the connector does now); and a cache holding nothing (the first turn:
@@ -58,6 +60,24 @@ def _extend_ms(previous: list[int], old_keys: Any, ids: list[int], keys: Any, bs
     return statistics.median(times)
 
 
+def _reuse_ms(previous: list[int], ids: list[int], bs: int, rounds: int) -> float:
+    """The new turn's ``Request`` with vLLM's sha256 hasher behind agentkv's reuse, which holds the previous
+    turn's prompt (timed without that turn; checked against vLLM's own hashes)."""
+    from agentkv.server._connector._block_hashes import HashReuse
+
+    times = []
+    for _ in range(rounds):
+        reuse = HashReuse(max_tokens=1 << 22, block_size=bs)
+        make = _request_factory(bs, "sha256", reuse=reuse)
+        make(list(previous))
+        t = time.perf_counter()
+        request = make(ids)
+        times.append((time.perf_counter() - t) * 1e3)
+        assert reuse.reused == len(previous) // bs
+    assert request.block_hashes == _request_factory(bs, "sha256")(ids).block_hashes
+    return statistics.median(times)
+
+
 def _first_turn(ids: list[int], keys: Any, bs: int) -> bytes:
     return ChainCache().chain(ids, bs, len(ids) // bs, keys)
 
@@ -70,6 +90,9 @@ def _row(n: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]
     base = _median_ms(_request_factory(bs, None), ids, rounds=rounds)
     for algo in ALGOS:
         row[f"vllm {algo}"] = max(0.0, _median_ms(_request_factory(bs, algo), ids, rounds=rounds) - base)
+    row["vllm sha256 from the previous prompt (agentkv)"] = max(
+        0.0, _reuse_ms(previous, ids, bs, rounds) - base
+    )
     # Keys as the engine core has them: vLLM's default hash of each request's blocks.
     make = _request_factory(bs, "sha256")
     keys, old_keys = make(ids).block_hashes, make(previous).block_hashes
@@ -85,7 +108,7 @@ def _row(n: int, args: argparse.Namespace, rng: random.Random) -> dict[str, Any]
     return row
 
 
-def _request_factory(block_size: int, algo: str | None) -> Callable[[list[int]], Any]:
+def _request_factory(block_size: int, algo: str | None, *, reuse: Any = None) -> Callable[[list[int]], Any]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -96,6 +119,10 @@ def _request_factory(block_size: int, algo: str | None) -> Callable[[list[int]],
         fn = get_hash_fn_by_name(algo)
         init_none_hash(fn)
         hasher = get_request_block_hasher(block_size, fn)
+        if reuse is not None:
+            from agentkv.server._connector._block_hashes import reusing_hasher
+
+            hasher = reusing_hasher(hasher, reuse)
     params = SamplingParams(max_tokens=1)
 
     def make(ids: list[int]) -> Any:
