@@ -102,29 +102,19 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
         hits1 - hits0 >= on_pulled[1] + on_pulled[2] - 2
     )  # prefill's own metric agrees (minus the last token)
     assert on_ids == off_ids
+
     # Prefill found the previous turn's fingerprint chain through vLLM's block hashes and hashed only the
     # blocks the turn added (the answers above equal the recompute's with those chains). Decode's turns are
     # salted (exact): vLLM's hashes of the same tokens differ, so it never starts from another turn's chain.
-    reused = {
-        side: a["fingerprint_blocks_reused"] - b["fingerprint_blocks_reused"]
-        for side, a, b in (("p", p1, p0), ("d", d1, d0))
-    }
-    hashed = {
-        side: a["fingerprint_blocks_hashed"] - b["fingerprint_blocks_hashed"]
-        for side, a, b in (("p", p1, p0), ("d", d1, d0))
-    }
+    def grew(key: str) -> dict[str, int]:
+        return {"p": p1[key] - p0[key], "d": d1[key] - d0[key]}
+
+    reused, hashed = grew("fingerprint_blocks_reused"), grew("fingerprint_blocks_hashed")
     assert reused["p"] > 0 and hashed["p"] > 0, (reused, hashed)
     assert reused["d"] == 0 and hashed["d"] > 0, (reused, hashed)
     # vLLM's own block hashes the same way (`_block_hashes`): prefill took turns 2 and 3's from the turn
     # before; decode's salted prompts share no hash with an earlier one, so it computed every block.
-    vllm_reused = {
-        side: a["block_hashes_reused"] - b["block_hashes_reused"]
-        for side, a, b in (("p", p1, p0), ("d", d1, d0))
-    }
-    vllm_computed = {
-        side: a["block_hashes_computed"] - b["block_hashes_computed"]
-        for side, a, b in (("p", p1, p0), ("d", d1, d0))
-    }
+    vllm_reused, vllm_computed = grew("block_hashes_reused"), grew("block_hashes_computed")
     assert vllm_reused["p"] > 0 and vllm_computed["p"] > 0, (vllm_reused, vllm_computed)
     assert vllm_reused["d"] == 0 and vllm_computed["d"] > 0, (vllm_reused, vllm_computed)
 
