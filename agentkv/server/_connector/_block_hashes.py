@@ -33,11 +33,13 @@ __all__ = ["HashReuse", "install", "reusing_hasher"]
 
 logger = logging.getLogger("agentkv.connector")
 
-# Ids compared at a time while looking for where a kept prompt and a new one part: one slice comparison per
-# chunk runs at C speed, then the parting chunk is searched block by block.
-_CHUNK = 4096
-# Kept prompts tried per first block (a shared system prompt puts many conversations under one key).
-_TRIES = 16
+# Ids compared first while looking for where a kept prompt and a new one part, four times as many in each
+# next slice comparison (C speed): a kept prompt of another conversation under the same first block parts
+# within the first slices and costs microseconds; the one the new prompt extends costs one pass over it.
+_CHUNK = 2048
+# Kept prompts tried per first block, newest first (a shared system prompt puts many conversations under
+# one key).
+_TRIES = 64
 
 Hasher = Callable[[Any], list[Any]]
 
@@ -116,16 +118,14 @@ def _same_blocks(new: list[int], old: list[int], bs: int, num_hashes: int) -> in
     """Leading whole blocks of ``new`` equal to ``old``'s, at most ``num_hashes``."""
     n = min(num_hashes, len(new) // bs, len(old) // bs)
     end = n * bs
-    if new[:end] == old[:end]:
-        return n
-    at = 0
-    while at < end:  # the chunk where they part, then its first differing block
-        stop = min(at + _CHUNK, end)
+    at, step = 0, _CHUNK
+    while at < end:  # the slice where they part, then its first differing block
+        stop = min(at + step, end)
         if new[at:stop] != old[at:stop]:
             while new[at : at + bs] == old[at : at + bs]:
                 at += bs
             return at // bs
-        at = stop
+        at, step = stop, step * 4
     return n
 
 
