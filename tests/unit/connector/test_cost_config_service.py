@@ -40,6 +40,10 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
     assert ConnectorSettings.from_extra({"agentkv_decode_tail_tokens": "2"}).decode_tail_tokens == 2
     with pytest.raises(ValueError, match="decode_tail_tokens"):
         ConnectorSettings.from_extra({"agentkv_decode_tail_tokens": 0})
+    assert ConnectorSettings.from_extra(None).block_hash_reuse_tokens == 1 << 20
+    assert ConnectorSettings.from_extra({"agentkv_block_hash_reuse_tokens": "0"}).block_hash_reuse_tokens == 0
+    with pytest.raises(ValueError, match="block_hash_reuse_tokens"):
+        ConnectorSettings.from_extra({"agentkv_block_hash_reuse_tokens": -1})
 
 
 def test_a_requests_word_decides_what_decode_offers_and_computes() -> None:
