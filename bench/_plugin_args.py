@@ -10,6 +10,7 @@ from typing import Any
 from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
 __all__ = [
+    "add_env_arg",
     "add_fast_json_arg",
     "add_kv_config_arg",
     "add_plugin_args",
@@ -37,6 +38,13 @@ def kv_config_item(text: str) -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_env_arg(ap: argparse.ArgumentParser) -> None:
+    """`--env KEY=VALUE` (repeatable) for the engines a benchmark starts."""
+    ap.add_argument(
+        "--env", action="append", default=[], type=env_item, help="KEY=VALUE for the engines (repeat)"
+    )
 
 
 def add_kv_config_arg(ap: argparse.ArgumentParser) -> None:

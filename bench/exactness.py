@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from bench._common import bar_chart, make_progress, print_table, results_dir, write_results
-from bench._plugin_args import env_item
+from bench._plugin_args import add_env_arg
 from bench.multiturn_sweep import FILLER_WORDS, gpu_words
 
 NAME = "exactness"
@@ -104,9 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="gpu: the H200, dummy weights")
     ap.add_argument("--engine-arg", action="append", default=[], help="extra vLLM flag (repeat)")
-    ap.add_argument(
-        "--env", action="append", default=[], type=env_item, help="KEY=VALUE for the engines (repeat)"
-    )
+    add_env_arg(ap)
     ap.add_argument("--max-model-len", type=int, default=4096)
     args = ap.parse_args(argv)
     seeds = range(700, 700 + args.seeds)

@@ -55,10 +55,10 @@ from bench._agentload import (
 )
 from bench._engine_metrics import Endpoint, EngineWatch, digest, series
 from bench._plugin_args import (
+    add_env_arg,
     add_kv_config_arg,
     add_plugin_args,
     add_prefill_cache_arg,
-    env_item,
     plugin_fields,
 )
 
@@ -246,7 +246,7 @@ class _Deployment:
         from agentkv.server._launcher import free_port
 
         args = self.args
-        env = dict(args.env or [])
+        env = dict(args.env)
         log_dir = Path(args.log_dir) / self.group
         t = time.monotonic()
         if self.group == "agg":
@@ -505,7 +505,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
-    ap.add_argument("--env", action="append", type=env_item, help="KEY=VALUE for the engines (repeat)")
+    add_env_arg(ap)
     add_prefill_cache_arg(ap)
     add_plugin_args(ap)
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting steps/legs after this long")

@@ -49,10 +49,10 @@ from typing import Any
 import httpx
 
 from bench._plugin_args import (
+    add_env_arg,
     add_kv_config_arg,
     add_plugin_args,
     add_prefill_cache_arg,
-    env_item,
     plugin_fields,
 )
 
@@ -421,7 +421,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         lease_s=args.lease_s,
         log_dir=Path(args.log_dir) / leg,
         extra_args=extra_args,
-        env=dict(args.env or []),
+        env=dict(args.env),
         extra_kv_config=dict(args.kv_config or []),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         **plugin_fields(args, reuse=on),
@@ -463,7 +463,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
         prefix_caching=True,
         cpu_kvcache_gib=2,  # on CPU, the KV space of P and D together (1 GiB each)
         extra_args=list(args.agg_engine_arg if args.agg_engine_arg is not None else args.engine_arg or []),
-        env=dict(args.env or []),
+        env=dict(args.env),
         **plugin_fields(args, reuse=False),  # vLLM as a user would run it alone
         log_path=Path(args.log_dir) / "agg" / "single.log",
     )
@@ -708,7 +708,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--agg-engine-arg", action="append", help="extra vLLM flag for agg (default: --engine-arg)"
     )
-    ap.add_argument("--env", action="append", type=env_item, help="KEY=VALUE for the engines (repeat)")
+    add_env_arg(ap)
     add_kv_config_arg(ap)
     add_prefill_cache_arg(ap)
     add_plugin_args(ap)
@@ -807,9 +807,10 @@ def main(argv: list[str] | None = None) -> None:
                     router_proc.stop()
             # The plugin's counters (API server) and the connector's (engine core, on its service's /metrics).
             plugin[leg] = {
-                e.spec.role: {**plugin_counts(e.spec.url), **plugin_counts(e.spec.service_url)}
-                if e.spec.service_url
-                else plugin_counts(e.spec.url)
+                e.spec.role: {
+                    **plugin_counts(e.spec.url),
+                    **(plugin_counts(e.spec.service_url) if e.spec.service_url else {}),
+                }
                 for e in cluster.engines
             }
         finally:

@@ -169,10 +169,10 @@ def install(*, max_tokens: int) -> HashReuse | None:
     """Wrap the hasher factory vLLM's engine core is about to call (see the module's doc). Returns the cache
     its hasher will use (in use once vLLM builds the hasher: ``block_size`` is then set), or None where
     ``max_tokens`` is 0 or vLLM's layout differs."""
-    core = sys.modules.get("vllm.v1.engine.core")
-    factory = getattr(core, "get_request_block_hasher", None)
     if max_tokens <= 0:
         return None
+    core = sys.modules.get("vllm.v1.engine.core")
+    factory = getattr(core, "get_request_block_hasher", None)
     if core is None or factory is None:
         logger.info("agentkv: vLLM's engine core not found; its block hashes are computed as vLLM does")
         return None

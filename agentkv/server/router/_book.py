@@ -75,8 +75,7 @@ class TurnBook:
             # Of the prompt, its whole blocks, as vLLM's prefix cache would reuse it (as agentkv's decode
             # offers in the default mode).
             block_size = await self._sv.leases.learn_block_size(decode)
-            whole = prefix_cache_tokens(prompt, block_size) if block_size is not None else 0
-            if block_size is None or whole == 0:
+            if block_size is None or (whole := prefix_cache_tokens(prompt, block_size)) == 0:
                 # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
                 # shifted blocks): without decode's block size, no reuse rather than a wrong answer; and none
                 # where the prompt fills no block.
