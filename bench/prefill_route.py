@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import random
 import shutil
 import signal
@@ -130,7 +131,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         cpu_kvcache_gib=4,
         forwarded_ids=args.forwarded_ids,
         fast_json=args.fast_json == "on",
-        env={"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"},  # beyond the tiny model's 32k positions
+        # Positions beyond the tiny model's 32k would read past vLLM's rotary cache (NaN logits, and a NaN
+        # logprob that the completions route cannot encode): the model's positions raised to the length.
+        extra_args=["--hf-overrides", json.dumps({"max_position_embeddings": max(lengths) + 256})],
         log_path=Path(".agentkv/bench-logs/prefill_route/engine.log"),
     )
     engine = Engine(spec=spec, name="single")
