@@ -37,6 +37,7 @@ from agentkv._wire import (
     has_non_text_content,
     unpack_ids,
 )
+from agentkv.server._id_lists import IdLists
 
 __all__ = ["forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
 
@@ -48,15 +49,22 @@ _IDS: contextvars.ContextVar[tuple[list[int], str] | None] = contextvars.Context
 )
 
 
+# Set by `install`: the lists of recent packed prompts (`IdLists`), or None to make every list anew.
+_LISTS: IdLists | None = None
+
+
 class _Invalid(ValueError):
     """For a vLLM without `VLLMValidationError`: its API server answers a ValueError with a 400 too."""
 
 
-def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[list[int], str] | None:
+def forwarded_ids(
+    request: Any, messages: Any, vocab_size: int | None, *, lists: IdLists | None = None
+) -> tuple[list[int], str] | None:
     """Pop the forwarded ids off `request`'s `kv_transfer_params` (`prompt_token_ids`, or agentkv's packed
     form, `agentkv._wire.PACKED_IDS_KEY`; the list when both came): the ids to run and the form they came in
     ("list" or "packed"), or None to render the messages (none forwarded, echo, non-text content). Raises
-    vLLM's validation error for ids that are not a non-empty list of ids below `vocab_size`."""
+    vLLM's validation error for ids that are not a non-empty list of ids below `vocab_size`. Packed ids
+    become a list through `lists` where given (the ints of a kept prompt's shared prefix reused)."""
     params = getattr(request, "kv_transfer_params", None)
     if not isinstance(params, dict):
         return None
@@ -78,7 +86,14 @@ def forwarded_ids(request: Any, messages: Any, vocab_size: int | None) -> tuple[
         except ValueError as exc:
             raise _error(f"`kv_transfer_params['{PACKED_IDS_KEY}']`: {exc}.") from None
         top = _max_id(unpacked)
-        ids, form = unpacked.tolist(), "packed"
+        form = "packed"
+        if lists is None:
+            ids = unpacked.tolist()
+        else:
+            ids, reused = lists.to_list(unpacked)
+            if (counters := _counters()) is not None:
+                counters.id_ints.labels(kind="reused").inc(reused)
+                counters.id_ints.labels(kind="made").inc(len(ids) - reused)
     # bool is an int subclass, hence the exact type check.
     elif not isinstance(ids, list) or not ids or set(map(type, ids)) != {int} or min(ids) < 0:
         raise _error(
@@ -128,7 +143,7 @@ def _wrap_preprocess_chat(original: Any) -> Any:
     async def preprocess_chat(self: Any, request: Any, messages: Any, *args: Any, **kwargs: Any) -> Any:
         params = getattr(request, "kv_transfer_params", None)
         cut = isinstance(params, dict) and bool(params.get(MESSAGES_CUT_KEY))
-        taken = forwarded_ids(request, messages, _vocab_size(self))
+        taken = forwarded_ids(request, messages, _vocab_size(self), lists=_LISTS)
         if taken is None:
             return await original(self, request, messages, *args, **kwargs)
         if cut and (counters := _counters()) is not None:
@@ -232,12 +247,13 @@ def takes_cut_messages(mode: str | None, *, model_type: str | None) -> bool:
     return model_type != "gpt_oss" and takes_packed_ids(mode) and _has_render_chat()
 
 
-def install(*, always: bool) -> bool:
+def install(*, always: bool, kept_ids: int = 0) -> bool:
     """Wrap vLLM's chat rendering to take forwarded ids; True when in place. Only where vLLM lacks its own
-    (`_reused_prompt_token_ids`, 0.32+), unless `always`. Decided as `takes_packed_ids` decides what decode's
-    retention service tells the router, so the two never disagree: a wrapper that cannot be put in place
-    where the router would be told to send packed ids (or a body cut to its last message) stops vLLM's start
-    rather than let it render another prompt from them."""
+    (`_reused_prompt_token_ids`, 0.32+), unless `always`. `kept_ids`: how many ids of recent packed prompts
+    to keep as Python ints for the prompts that extend them (`IdLists`; 0: none). Decided as
+    `takes_packed_ids` decides what decode's retention service tells the router, so the two never disagree:
+    a wrapper that cannot be put in place where the router would be told to send packed ids (or a body cut to
+    its last message) stops vLLM's start rather than let it render another prompt from them."""
     if not takes_packed_ids("always" if always else "on"):
         return False  # vLLM's own, and no import of the renderer in processes that never render
     try:
@@ -250,6 +266,8 @@ def install(*, always: bool) -> bool:
         render = BaseRenderer.render_chat_async
     except (ImportError, AttributeError) as exc:
         raise EngineVersionError.plugin_part("AGENTKV_FORWARDED_IDS", "chat rendering", exc) from exc
+    global _LISTS
+    _LISTS = IdLists(max_ids=kept_ids) if kept_ids > 0 else None
     if not getattr(preprocess, "agentkv_wrapped", False):
         online_renderer.OnlineRenderer.preprocess_chat = _wrap_preprocess_chat(preprocess)  # type: ignore[method-assign]
     if not getattr(render, "agentkv_wrapped", False):

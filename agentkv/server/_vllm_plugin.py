@@ -27,7 +27,9 @@ to leave vLLM 0.32+'s own code in place): decode runs the prompt ids the router 
 (`_forwarded_ids`); agentkv's wrapper also takes them packed and a body cut to its last message.
 Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/info`, and `packed_ids`
 where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
-are taken, in the cheaper form where it can.
+are taken, in the cheaper form where it can. Packed ids become vLLM's list with the ints of the longest prefix
+a recent prompt shares taken from that prompt's list (`_id_lists`, `AGENTKV_KEPT_PROMPT_IDS` ids kept, 0:
+none): an agent's next turn makes ints only for what it adds.
 
 **Decode starts from prefill's token** (`AGENTKV_PREFILL_TOKEN` = `on`): where the router forwards the
 token prefill sampled, decode takes it as its prompt's last id instead of computing that token again, and
@@ -52,9 +54,11 @@ from typing import Any, Literal, get_args
 from agentkv.server._tokenizer_cache import TokenizerCache
 
 __all__ = [
+    "DEFAULT_KEPT_IDS",
     "DEFAULT_PRIME_TOKENS",
     "ENV_FAST_JSON",
     "ENV_FORWARDED_IDS",
+    "ENV_KEPT_IDS",
     "ENV_MAX_MB",
     "ENV_MODE",
     "ENV_PREFILL_TOKEN",
@@ -75,6 +79,9 @@ ENV_PRIME = "AGENTKV_DETOKENIZER_PRIME_TOKENS"
 ENV_FORWARDED_IDS = "AGENTKV_FORWARDED_IDS"
 ENV_FAST_JSON = "AGENTKV_FAST_JSON"
 ENV_PREFILL_TOKEN = "AGENTKV_PREFILL_TOKEN"
+ENV_KEPT_IDS = "AGENTKV_KEPT_PROMPT_IDS"
+# ~40 bytes a kept id (its int, shared with the prompts that extend it, and two pointers), ~40 MiB in all.
+DEFAULT_KEPT_IDS = 1 << 20
 ForwardedIdsMode = Literal["on", "off", "always"]  # unset means off
 FORWARDED_IDS_MODES: tuple[str, ...] = get_args(ForwardedIdsMode)
 DEFAULT_PRIME_TOKENS = 128
@@ -130,6 +137,12 @@ class _Counters:
         self.cut_conversations = Counter(
             "agentkv_cut_conversations",
             "Of those, chat requests the router cut to their last message (`agentkv._wire.cut_messages`)",
+        )
+        self.id_ints = Counter(
+            "agentkv_forwarded_id_ints",
+            "Packed forwarded ids made into the list vLLM takes, by kind: reused (the int of a kept prompt's "
+            "shared prefix) or made",
+            ["kind"],
         )
         self.prefill_tokens = Counter(
             "agentkv_prefill_tokens",
@@ -214,6 +227,14 @@ def _wrap(original: Any, *, verify: bool) -> Any:
 
     _tokenize_prompt.agentkv_wrapped = True  # type: ignore[attr-defined]
     return _tokenize_prompt
+
+
+def _kept_ids() -> int:
+    try:
+        return max(0, int(os.environ.get(ENV_KEPT_IDS, DEFAULT_KEPT_IDS)))
+    except ValueError:
+        logger.warning("%s=%r is not a number of ids: none kept", ENV_KEPT_IDS, os.environ[ENV_KEPT_IDS])
+        return 0
 
 
 def _prime_tokens() -> int:
@@ -307,7 +328,7 @@ def register() -> None:
     if (forwarded := forwarded_ids_mode()) is not None:
         from agentkv.server import _forwarded_ids
 
-        _forwarded_ids.install(always=forwarded == "always")
+        _forwarded_ids.install(always=forwarded == "always", kept_ids=_kept_ids())
     if _switch(ENV_PREFILL_TOKEN, unknown="decode computes the prompt's last token again") is not None:
         from agentkv.server import _prefill_token
 

@@ -32,6 +32,7 @@ from ._helpers import (
 
 FORWARDED = "agentkv_forwarded_ids_prompts_total"
 CUT = "agentkv_cut_conversations_total"
+ID_INTS = "agentkv_forwarded_id_ints_total"
 
 
 def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
@@ -61,6 +62,7 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     d_url = cluster.decodes[0].spec.url
     taken_before = metric(d_url, FORWARDED, form="packed")
     cut_before = metric(d_url, CUT)
+    ints_before = {kind: metric(d_url, ID_INTS, kind=kind) for kind in ("reused", "made")}
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -84,6 +86,9 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     # above agree with each other all the same), as decode's retention service allows.
     assert service_info(cluster.decodes[0].spec.service_url)["messages_cut"] is True
     assert metric(d_url, CUT) - cut_before == 2 * (len(script) - 1)
+    # Each later turn's ids became vLLM's list with the ints of the turn before it reused (`IdLists`).
+    ints = {kind: metric(d_url, ID_INTS, kind=kind) - n for kind, n in ints_before.items()}
+    assert ints["reused"] > 0 < ints["made"], ints
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:

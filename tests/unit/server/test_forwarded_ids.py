@@ -14,6 +14,7 @@ from agentkv._exceptions import EngineVersionError
 from agentkv._wire import MESSAGES_CUT_KEY, PACKED_IDS_KEY, has_non_text_content, pack_ids
 from agentkv.server import _forwarded_ids
 from agentkv.server._forwarded_ids import forwarded_ids
+from agentkv.server._id_lists import IdLists
 from agentkv.server._vllm_plugin import ENV_FORWARDED_IDS, forwarded_ids_mode
 
 INVALID = type(_forwarded_ids._error(""))  # vLLM's validation error, whichever class this release has
@@ -70,6 +71,19 @@ def test_packed_ids_are_taken_off_the_params_and_checked_against_the_vocabulary(
     echo.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([5])
     assert forwarded_ids(echo, TEXT, vocab_size=10) is None  # rendered, and the packed ids never reach vLLM
     assert echo.kv_transfer_params == {"do_remote_prefill": True}
+
+
+def test_packed_ids_of_an_extended_prompt_take_the_kept_prompts_ints() -> None:
+    lists = IdLists(max_ids=1000)
+    prompt = list(range(3000, 3100))
+    first, second = request(), request()
+    first.kv_transfer_params[PACKED_IDS_KEY] = pack_ids(prompt)
+    second.kv_transfer_params[PACKED_IDS_KEY] = pack_ids([*prompt, 3100])
+    taken = forwarded_ids(first, TEXT, vocab_size=4000, lists=lists)
+    again = forwarded_ids(second, TEXT, vocab_size=4000, lists=lists)
+    assert taken == (prompt, "packed") and again == ([*prompt, 3100], "packed")
+    assert all(a is b for a, b in zip(taken[0], again[0], strict=False))
+    assert forwarded_ids(request([3000, 3001]), TEXT, vocab_size=4000, lists=lists) == ([3000, 3001], "list")
 
 
 @pytest.mark.parametrize("bad", [[], [1, True], [1, -1], [1, "2"], "1 2", {"0": 1}, [1.0], [10]])
