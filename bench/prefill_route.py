@@ -44,7 +44,7 @@ from bench._common import (
     summarize,
     write_rows,
 )
-from bench._plugin_args import add_fast_json_arg
+from bench._plugin_args import add_env_arg, add_fast_json_arg
 
 NAME = "prefill_route"
 # Label -> the hop: the router's own bodies (`agentkv._wire`), with empty kv_transfer_params (one server,
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "reads the packed form; with `on` vLLM 0.32+'s own code takes the list and renders a packed request)",
     )
     add_fast_json_arg(ap)
+    add_env_arg(ap)
     args = ap.parse_args(argv)
     from agentkv.server._launcher import Engine, EngineSpec
     from agentkv.server._model import ensure_tiny_model
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # Positions beyond the tiny model's 32k would read past vLLM's rotary cache (NaN logits, and a NaN
         # logprob that the completions route cannot encode): the model's positions raised to the length.
         extra_args=["--hf-overrides", json.dumps({"max_position_embeddings": max(lengths) + 256})],
+        env=dict(args.env),
         log_path=Path(".agentkv/bench-logs/prefill_route/engine.log"),
     )
     engine = Engine(spec=spec, name="single")
