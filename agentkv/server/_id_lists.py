@@ -6,9 +6,9 @@ at 127k ids on one CPU core, on every turn, for a prompt that is the previous tu
 ids. `IdLists` keeps the lists of recent prompts and builds the next one from the longest prefix a kept
 prompt shares with it (pointer copies of the same, immutable, int objects) plus the new ids' ints.
 
-Which prefix is shared is found by comparing the machine integers (`array` equality is a `memcmp`), never
-assumed, so the list equals `ids.tolist()` whatever was kept. vLLM gets a list of its own each time: a kept
-list is never handed out, so nothing vLLM does to its prompt list can change a later prompt.
+Which prefix is shared is found by comparing the machine integers (in C, stopping at the first difference),
+never assumed, so the list equals `ids.tolist()` whatever was kept. vLLM gets a list of its own each time:
+a kept list is never handed out, so nothing vLLM does to its prompt list can change a later prompt.
 """
 
 from __future__ import annotations
@@ -19,11 +19,11 @@ from array import array
 
 __all__ = ["IdLists"]
 
-# Prompts are found by their first ids (a chat template's system prompt, then the conversation); 64 ids part
-# different conversations in nearly every case, and the comparison decides anyway.
+# Kept prompts are grouped by their first ids; conversations under one long system prompt share a group, and
+# the comparison tells them apart.
 _KEY_IDS = 64
-# Kept prompts under one start compared per request: an agent's prompts share the system prompt, and the
-# newest are the likeliest to be extended.
+# Kept prompts of a group compared per request, newest first (the likeliest to be extended); the search stops
+# at the first one the new prompt extends whole, an agent's previous turn.
 _CANDIDATES = 16
 
 
@@ -53,7 +53,7 @@ class IdLists:
             n = _common_prefix(kept_ids, ids)
             if n > shared:
                 shared, source = n, serial
-                if n == len(ids):
+                if n == len(kept_ids):
                     break
         if source is None:
             out = ids.tolist()
@@ -89,15 +89,17 @@ class IdLists:
 
 
 def _common_prefix(a: array[int], b: array[int]) -> int:
-    """How many leading ids two arrays of one type share: equal slices compare with one `memcmp`, so a whole
-    shared prefix costs one comparison and a partial one a binary search of them."""
+    """How many leading ids two arrays of one type share. Memoryviews compare in C without copying and stop
+    at the first difference, so another conversation parts after what it shares, a whole shared prefix costs
+    one pass (~0.1 ms at 131k ids) and a partial one a binary search of passes over halving spans."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    va, vb = memoryview(a)[:n], memoryview(b)[:n]
+    if va == vb:
         return n
-    lo, hi = 0, n  # a[:lo] == b[:lo]; a[:hi] != b[:hi]
+    lo, hi = 0, n  # va[:lo] == vb[:lo]; va[:hi] != vb[:hi]
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
+        if va[lo:mid] == vb[lo:mid]:
             lo = mid
         else:
             hi = mid

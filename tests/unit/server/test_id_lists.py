@@ -46,6 +46,21 @@ def test_an_edited_history_shares_what_precedes_the_edit() -> None:
     assert len(lists) == 2  # the first is kept too: a prompt may still extend it
 
 
+def test_agents_under_one_system_prompt_each_extend_their_own_previous_turn() -> None:
+    rng = random.Random(4)
+    lists = IdLists(max_ids=1 << 20)
+    system = words(rng, 300)
+    prompts = [[*system, *words(rng, 200)] for _ in range(10)]
+    for p in prompts:
+        lists.to_list(ids(p))
+    for _ in range(3):  # turns interleaved across the agents, as a server sees them
+        for i, p in enumerate(prompts):
+            prompts[i] = [*p, *words(rng, 40)]
+            out, reused = lists.to_list(ids(prompts[i]))
+            assert out == prompts[i] and reused == len(p)  # its own turn, not another agent's system prompt
+    assert len(lists) == 10
+
+
 def test_what_vllm_does_to_its_list_never_reaches_a_later_prompt() -> None:
     rng = random.Random(2)
     lists = IdLists(max_ids=1 << 20)
