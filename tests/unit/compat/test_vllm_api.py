@@ -102,6 +102,18 @@ def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(sour
     assert engine is not None, version
     tokens_input = [n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "tokens_input"]
     assert tokens_input and "cache_salt" in [a.arg for a in tokens_input[0].args.kwonlyargs], version
+    # Where vLLM checks the engine input's ids in `BaseRenderer.validate_token_ids` (0.32+), it is handed the
+    # list the render returned, unchanged (the wrapper skips that very list, which it checked itself).
+    validate = render.method("validate_token_ids")
+    processor = tree.cls("vllm.v1.engine.input_processor", "InputProcessor")
+    assert processor is not None, version
+    model_input = ast.unparse(processor.method("_validate_model_input"))
+    if validate is not None:
+        assert [a.arg for a in validate.args.args[:2]] == ["self", "token_ids"], version
+        assert "self.renderer.validate_token_ids(prompt_ids)" in model_input, version
+        assert "prompt_ids = None if" in model_input and "prompt_input['prompt_token_ids']" in model_input
+    else:  # 0.26: the same check inline, left as it is
+        assert "max(prompt_ids" in model_input, version
 
 
 def test_the_engine_client_the_plugin_wraps_for_prefills_token_takes_and_yields_what_it_reads(

@@ -156,6 +156,36 @@ def test_forwarded_ids_replace_the_render_and_the_rest_still_runs(monkeypatch: p
     assert _Base.renders == 1 and plain[1][0]["prompt_token_ids"] == [0, 1]
 
 
+def test_vllms_second_vocabulary_check_skips_only_the_list_the_wrapper_checked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _install(monkeypatch)
+    checked: list[list[int]] = []
+
+    def validate_token_ids(self: Any, token_ids: Any, *, parameter: str | None = None) -> None:
+        checked.append(token_ids)  # vLLM's max and min over the ids (0.32+)
+
+    wrapped = _forwarded_ids._wrap_validate_token_ids(validate_token_ids)
+    online = _Online()
+
+    async def turn(ids: list[int]) -> list[int]:
+        # vLLM's order in one request's task: the chat render, then its engine input validated.
+        _, [engine_input] = await online.preprocess_chat(request(ids, cache_salt=None), TEXT)
+        ran = engine_input["prompt_token_ids"]
+        wrapped(online.renderer, ran)  # the very list: already checked, skipped
+        wrapped(online.renderer, ran)  # checked once, not twice
+        wrapped(online.renderer, [7, 8])  # any other list: vLLM's check
+        return ran
+
+    ran = asyncio.run(turn([7, 8, 9]))
+    assert checked == [ran, [7, 8]]
+    # Without the wrapper's own check (no vocabulary known), vLLM's runs.
+    monkeypatch.setattr(_forwarded_ids, "_vocab_size", lambda front: None)
+    checked.clear()
+    ran = asyncio.run(turn([7, 8, 9]))
+    assert checked == [ran, ran, [7, 8]]
+
+
 def test_a_refused_id_list_raises_before_anything_renders(monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch)
     _Base.renders = 0
