@@ -279,6 +279,7 @@ def install(*, always: bool, kept_ids: int = 0) -> bool:
         return False  # vLLM's own, and no import of the renderer in processes that never render
     try:
         from vllm.inputs.engine import tokens_input
+        from vllm.renderers import base as renderers_base
         from vllm.renderers import online_renderer
         from vllm.renderers.base import BaseRenderer
 
@@ -295,7 +296,7 @@ def install(*, always: bool, kept_ids: int = 0) -> bool:
         BaseRenderer.render_chat_async = _wrap_render_chat_async(render, tokens_input)  # type: ignore[method-assign]
     validate = getattr(BaseRenderer, "validate_token_ids", None)  # 0.32+; 0.26 checks inline, as before
     if validate is not None and not getattr(validate, "agentkv_wrapped", False):
-        BaseRenderer.validate_token_ids = _wrap_validate_token_ids(validate)  # type: ignore[method-assign]
+        renderers_base.BaseRenderer.validate_token_ids = _wrap_validate_token_ids(validate)  # type: ignore[method-assign]
     chat = getattr(online_renderer.OnlineRenderer, "render_chat", None)
     if chat is not None and not getattr(chat, "agentkv_wrapped", False):
         online_renderer.OnlineRenderer.render_chat = _wrap_render_chat(chat)  # type: ignore[method-assign]

@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, reject
 from hypothesis import strategies as st
 
 from agentkv._exceptions import APIStatusError
@@ -102,7 +102,11 @@ JSON = st.recursive(
 @given(st.dictionaries(st.text(), JSON, max_size=6))
 def test_hop_codec_round_trips_whatever_a_parsed_body_holds(body: dict[str, Any]) -> None:
     raw = json.dumps({**body, "prompt": "p"}).encode()
-    parsed = parse_body(raw, "completions")
+    try:
+        parsed = parse_body(raw, "completions")
+    except APIStatusError:
+        # A field the router checks, generated with a value it refuses (e.g. `max_output_tokens: []`).
+        reject()
     assert json.loads(_codec.encode(parsed)) == parsed
     assert _codec.decode(json.dumps(parsed).encode()) == parsed
 
