@@ -28,7 +28,8 @@ _CANDIDATES = 16
 
 
 class IdLists:
-    """Lists of recent prompts' ids, at most `max_ids` ids in all (0: keep none, every list built whole)."""
+    """Lists of recent prompts' ids, at most `max_ids` ids in all (0: keep none, every list built whole).
+    Not thread-safe: vLLM's API server runs the chat wrapper that uses it on its event loop."""
 
     def __init__(self, *, max_ids: int) -> None:
         if max_ids < 0:
@@ -49,7 +50,7 @@ class IdLists:
         start = ids[:_KEY_IDS].tobytes()
         shared, source = 0, None
         for serial in reversed(self._by_start.get(start, [])[-_CANDIDATES:]):
-            kept_ids, kept_list = self._kept[serial]
+            kept_ids, _ = self._kept[serial]
             n = _common_prefix(kept_ids, ids)
             if n > shared:
                 shared, source = n, serial

@@ -80,7 +80,7 @@ ENV_FORWARDED_IDS = "AGENTKV_FORWARDED_IDS"
 ENV_FAST_JSON = "AGENTKV_FAST_JSON"
 ENV_PREFILL_TOKEN = "AGENTKV_PREFILL_TOKEN"
 ENV_KEPT_IDS = "AGENTKV_KEPT_PROMPT_IDS"
-# ~40 bytes a kept id (its int, shared with the prompts that extend it, and two pointers), ~40 MiB in all.
+# ~40 bytes a kept id (its int, shared with the prompts that extend it, a list slot and a 4-byte copy).
 DEFAULT_KEPT_IDS = 1 << 20
 ForwardedIdsMode = Literal["on", "off", "always"]  # unset means off
 FORWARDED_IDS_MODES: tuple[str, ...] = get_args(ForwardedIdsMode)
