@@ -483,7 +483,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
 def start_leg_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
     from agentkv.server._launcher import start_router
 
-    policy = "always-pd" if shape == "published" else "auto"
+    policy = args.path_policy or ("always-pd" if shape == "published" else "auto")
     # `on` is the router's default (vLLM's prefix-cache semantics: decode serves what it holds from its own
     # prefix cache); `exact` makes every answer bit-identical to a recompute.
     flags = ["--path-policy", policy, "--exact" if leg == "exact" else "--no-exact"]
@@ -694,6 +694,14 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="send each turn's new text as an agent's: tool calls answered by tool results of about this "
         "many tokens, after the user's task on the first turn (default 0: one user message a turn)",
+    )
+    ap.add_argument(
+        "--path-policy",
+        choices=("auto", "always-local", "always-pd"),
+        default=None,
+        help="the reuse legs' router path policy (default: always-pd for the published shape, so that the "
+        "pull is measured; auto for agentic). always-local measures the decode-local turn where the cost "
+        "model would pull (this CPU at long contexts)",
     )
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=8192)
