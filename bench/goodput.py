@@ -294,7 +294,7 @@ class _Deployment:
                 extra_args=list(args.engine_arg or []),
                 prefill_args=list(args.prefill_engine_arg or []),
                 decode_args=list(args.decode_engine_arg or []),
-                extra_kv_config=dict(args.kv_config or []),
+                extra_kv_config=dict(args.kv_config),
                 env=env,
                 **plugin_fields(args, reuse=self.group == "reuse"),
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),

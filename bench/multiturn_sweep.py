@@ -422,7 +422,7 @@ def start_leg(args: argparse.Namespace, leg: str) -> Any:
         log_dir=Path(args.log_dir) / leg,
         extra_args=extra_args,
         env=dict(args.env),
-        extra_kv_config=dict(args.kv_config or []),
+        extra_kv_config=dict(args.kv_config),
         # The stock legs run vLLM as shipped; the reuse legs run agentkv's engines.
         **plugin_fields(args, reuse=on),
         prefill_port=args.port_base + 100,

@@ -44,7 +44,7 @@ class IdLists:
     def to_list(self, ids: array[int]) -> tuple[list[int], int]:
         """`ids.tolist()` (a new list), its longest prefix shared with a kept prompt taken from that
         prompt's list, and how many ids that prefix holds; the result is kept for the prompts that extend
-        it."""
+        it, and so is `ids`, which the caller must not change afterwards."""
         if self._max_ids == 0 or not _KEY_IDS <= len(ids) <= self._max_ids:
             return ids.tolist(), 0  # a prompt shorter than its key is cheap to make whole
         start = ids[:_KEY_IDS].tobytes()
@@ -70,7 +70,7 @@ class IdLists:
 
     def _keep(self, start: bytes, ids: array[int], ints: list[int]) -> None:
         serial = next(self._serials)
-        self._kept[serial] = (array(ids.typecode, ids), ints)
+        self._kept[serial] = (ids, ints)
         self._by_start.setdefault(start, []).append(serial)
         self._size += len(ids)
         while self._size > self._max_ids:
