@@ -39,22 +39,23 @@ from agentkv._wire import (
 )
 from agentkv.server._id_lists import IdLists
 
-__all__ = ["forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
+__all__ = ["extended", "forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
 
 
 # Set by preprocess_chat for the render_chat_async call it makes (an await in the same task sees it): the
-# ids, the form they came in, and whether they were checked against the vocabulary.
-_IDS: contextvars.ContextVar[tuple[list[int], str, bool] | None] = contextvars.ContextVar(
+# ids, the form they came in, and the vocabulary size they were checked against (None: not checked).
+_IDS: contextvars.ContextVar[tuple[list[int], str, int | None] | None] = contextvars.ContextVar(
     "agentkv_forwarded_ids", default=None
 )
 
 
 # Set by `install`: the lists of recent packed prompts (`IdLists`), or None to make every list anew.
 _LISTS: IdLists | None = None
-# The list this request's render handed vLLM, checked by `forwarded_ids` against the bounds of vLLM's own
-# `BaseRenderer.validate_token_ids` (0.32+), which then skips that very list rather than take the max and the
-# min of 127k Python ints again (2.5 ms at 131k on one CPU core). Per request: each runs in its own task.
-_CHECKED: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+# The list this request's render handed vLLM and the vocabulary size `forwarded_ids` checked it against, the
+# bounds of vLLM's own `BaseRenderer.validate_token_ids` (0.32+), which then skips that very list rather than
+# take the max and the min of 127k Python ints again (2.5 ms at 131k on one CPU core). Per request: each runs
+# in its own task.
+_CHECKED: contextvars.ContextVar[tuple[list[int], int] | None] = contextvars.ContextVar(
     "agentkv_checked_ids", default=None
 )
 
@@ -155,7 +156,7 @@ def _wrap_preprocess_chat(original: Any) -> Any:
             return await original(self, request, messages, *args, **kwargs)
         if cut and (counters := _counters()) is not None:
             counters.cut_conversations.inc()
-        token = _IDS.set((*taken, vocab_size is not None))
+        token = _IDS.set((*taken, vocab_size))
         try:
             return await original(self, request, messages, *args, **kwargs)
         finally:
@@ -195,9 +196,9 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
         if taken is None or len(conversations) != 1:
             return await original(self, conversations, *args, prompt_extras=prompt_extras, **kwargs)
         _IDS.set(None)  # this request's one render
-        ids, form, checked = taken
-        if checked:
-            _CHECKED.set(ids)
+        ids, form, vocab_size = taken
+        if vocab_size is not None:
+            _CHECKED.set((ids, vocab_size))
         engine_input = tokens_input(ids, cache_salt=(prompt_extras or {}).get("cache_salt"))
         engine_input["arrival_time"] = time.time()
         _count(form)
@@ -211,13 +212,28 @@ def _wrap_render_chat_async(original: Any, tokens_input: Any) -> Any:
 def _wrap_validate_token_ids(original: Any) -> Any:
     @functools.wraps(original)
     def validate_token_ids(self: Any, token_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        if token_ids is not None and token_ids is _CHECKED.get():
+        checked = _CHECKED.get()
+        skip = checked is not None and token_ids is checked[0]
+        if (counters := _counters()) is not None:
+            counters.id_checks.labels(result="skipped" if skip else "run").inc()
+        if skip:
             _CHECKED.set(None)
             return None
         return original(self, token_ids, *args, **kwargs)
 
     validate_token_ids.agentkv_wrapped = True  # type: ignore[attr-defined]
     return validate_token_ids
+
+
+def extended(ids: list[int], token: int) -> list[int]:
+    """`[*ids, token]`, the prompt decode runs from prefill's token (`_prefill_token`). Where `ids` is the
+    list this request's render handed vLLM, checked, and `token` is within that vocabulary, the new list
+    counts as checked in its place, so vLLM's check skips it too (its ids: the checked ones and `token`)."""
+    out = [*ids, token]
+    checked = _CHECKED.get()
+    if checked is not None and checked[0] is ids and 0 <= token < checked[1]:
+        _CHECKED.set((out, checked[1]))
+    return out
 
 
 def _count(form: str) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from agentkv._exceptions import EngineVersionError
 from agentkv._wire import KV_KEY, take_prefill_token
+from agentkv.server._forwarded_ids import extended
 
 __all__ = ["install", "refusal"]
 
@@ -204,7 +205,7 @@ def _wrap_generate(original: Any, vllm: _VLLM) -> Any:
         if getattr(params, "min_tokens", 0):
             params.min_tokens -= 1
         answers = original(
-            self, {**prompt, "prompt_token_ids": [*ids, token]}, params, request_id, *args, **kwargs
+            self, {**prompt, "prompt_token_ids": extended(ids, token)}, params, request_id, *args, **kwargs
         )
         return _with_token(answers, ids, token, text, position, delta=kind == vllm.kinds.DELTA)
 

@@ -144,6 +144,12 @@ class _Counters:
             "shared prefix) or made",
             ["kind"],
         )
+        self.id_checks = Counter(
+            "agentkv_vllm_id_checks",
+            "vLLM's vocabulary checks of a prompt's ids (0.32+), by result: skipped (a list agentkv's "
+            "wrapper checked) or run",
+            ["result"],
+        )
         self.prefill_tokens = Counter(
             "agentkv_prefill_tokens",
             "Requests that came with prefill's token (`_prefill_token`): used, or why vLLM's own path ran",

@@ -33,6 +33,8 @@ from ._helpers import (
 FORWARDED = "agentkv_forwarded_ids_prompts_total"
 CUT = "agentkv_cut_conversations_total"
 ID_INTS = "agentkv_forwarded_id_ints_total"
+ID_CHECKS = "agentkv_vllm_id_checks_total"
+PREFILL_TOKENS = "agentkv_prefill_tokens_total"
 
 
 def _render_ids(prefill_url: str, messages: list[dict[str, Any]], **extra: Any) -> list[int]:
@@ -63,6 +65,8 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     taken_before = metric(d_url, FORWARDED, form="packed")
     cut_before = metric(d_url, CUT)
     ints_before = {kind: metric(d_url, ID_INTS, kind=kind) for kind in ("reused", "made")}
+    skipped_before = metric(d_url, ID_CHECKS, result="skipped")
+    used_before = metric(d_url, PREFILL_TOKENS, result="used")
     history: list[dict[str, Any]] = []
     for i, msg in enumerate(script):
         history.append({"role": "user", "content": msg})
@@ -89,6 +93,10 @@ def test_a_turn_is_rendered_once_and_prefill_takes_token_ids(
     # Each later turn's ids became vLLM's list with the ints of the turn before it reused (`IdLists`).
     ints = {kind: metric(d_url, ID_INTS, kind=kind) - n for kind, n in ints_before.items()}
     assert ints["reused"] > 0 < ints["made"], ints
+    # vLLM's own vocabulary check skipped the list the plugin had checked on every decode hop, also where
+    # decode started from prefill's token (a new list: those ids and that token).
+    assert metric(d_url, PREFILL_TOKENS, result="used") > used_before
+    assert metric(d_url, ID_CHECKS, result="skipped") - skipped_before == 2 * len(script)
 
 
 def test_decode_computes_the_forwarded_ids_and_renders_nothing(cluster: Cluster) -> None:

@@ -186,6 +186,32 @@ def test_vllms_second_vocabulary_check_skips_only_the_list_the_wrapper_checked(
     assert checked == [ran, ran, [7, 8]]
 
 
+def test_the_list_with_prefills_token_is_skipped_only_when_that_token_is_in_the_vocabulary(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _install(monkeypatch)
+    checked: list[list[int]] = []
+    wrapped = _forwarded_ids._wrap_validate_token_ids(lambda self, ids, **kw: checked.append(ids))
+    online = _Online()  # vocabulary: 100 ids
+
+    async def turn(token: int, *, base: list[int] | None = None) -> list[int]:
+        _, [engine_input] = await online.preprocess_chat(request([7, 8, 9], cache_salt=None), TEXT)
+        ran = _forwarded_ids.extended(engine_input["prompt_token_ids"] if base is None else base, token)
+        wrapped(online.renderer, ran)
+        return ran
+
+    assert asyncio.run(turn(99)) == [7, 8, 9, 99] and checked == []  # the checked ids and an id below 100
+    assert asyncio.run(turn(100)) == [7, 8, 9, 100] and checked == [[7, 8, 9, 100]]  # out of vocabulary
+    checked.clear()
+    assert asyncio.run(turn(5, base=[7, 8, 9])) == [
+        7,
+        8,
+        9,
+        5,
+    ]  # equal ids, but not the list that was checked
+    assert checked == [[7, 8, 9, 5]]
+
+
 def test_a_refused_id_list_raises_before_anything_renders(monkeypatch: pytest.MonkeyPatch) -> None:
     _install(monkeypatch)
     _Base.renders = 0
