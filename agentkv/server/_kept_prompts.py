@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 __all__ = ["Kept", "KeptPrompts", "common_prefix"]
 
+T = TypeVar("T")
 V = TypeVar("V")
 
 # Ids compared first, four times as many in each next slice: a kept prompt of another conversation under the
@@ -98,14 +99,15 @@ class KeptPrompts(Generic[V]):
         return len(self._order)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` share: two lists, or two arrays of one type, which compare as
-    memoryviews (no copies); an array and a list never compare equal, so they share none. Slices of growing
-    size find where the two part, a binary search over that slice the first differing id: a whole shared
-    prefix costs one pass (~0.1 ms at 131k ids as arrays)."""
+def common_prefix(a: Sequence[T], b: Sequence[T]) -> int:
+    """How many leading items `a` and `b` share: two lists, two texts, or two arrays of one type, which
+    compare as memoryviews (no copies); an array and a list never compare equal, so they share none. Slices
+    of growing size find where the two part, a binary search over that slice the first differing item: a
+    whole shared prefix costs one pass (~0.1 ms at 131k ids as arrays), and a prompt that parts early from a
+    long one (many share a system prompt and little else) a few small slices."""
     n = min(len(a), len(b))
-    x: Sequence[int] | memoryview = a
-    y: Sequence[int] | memoryview = b
+    x: Sequence[T] | memoryview = a
+    y: Sequence[T] | memoryview = b
     if isinstance(a, array) and isinstance(b, array) and a.typecode == b.typecode:
         x, y = memoryview(a), memoryview(b)
     at, step = 0, _FIRST_SLICE

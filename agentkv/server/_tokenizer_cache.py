@@ -33,6 +33,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from agentkv.server._kept_prompts import common_prefix
+
 __all__ = ["AddedTokenInfo", "CacheStats", "TokenizerCache"]
 
 logger = logging.getLogger("vllm.agentkv.tokenizer_cache")
@@ -123,28 +125,6 @@ class _Boundaries:
                 ends.append(char_base + end)
                 counts.append(id_base + j + 1)
         return ends, counts
-
-
-def _common_prefix(a: str, b: str) -> int:
-    """Length of the longest common prefix of two texts. Compared in C over windows that double, then by
-    bisecting the first that differs; only windows of `b` are copied, so a short shared prefix costs little
-    however long the texts are (many cached conversations share a system prompt and little else)."""
-    n = min(len(a), len(b))
-    lo, step = 0, 4096
-    while lo < n:
-        hi = min(n, lo + step)
-        if not a.startswith(b[lo:hi], lo):
-            break
-        lo, step = hi, step * 2
-    else:
-        return n
-    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a.startswith(b[lo:mid], lo):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class TokenizerCache:
@@ -268,7 +248,7 @@ class TokenizerCache:
             if entry.special != special or not entry.ends or entry.text[:1] != text[:1]:
                 continue
             # The usual agent turn extends a cached prompt: one memcmp, no copy.
-            shared = len(entry.text) if text.startswith(entry.text) else _common_prefix(entry.text, text)
+            shared = len(entry.text) if text.startswith(entry.text) else common_prefix(entry.text, text)
             i = bisect.bisect_right(entry.ends, shared) - 1
             if i < 0:
                 continue

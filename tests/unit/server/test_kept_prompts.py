@@ -26,7 +26,7 @@ def naive(a: list[int], b: list[int]) -> int:
     part=st.integers(0, 20_000),
     cut=st.integers(0, 20_000),
 )
-def test_common_prefix_is_where_the_ids_part_for_lists_and_arrays(
+def test_common_prefix_is_where_lists_arrays_and_texts_part(
     base: list[int], length: int, part: int, cut: int
 ) -> None:
     # Long runs put the parting point past the first slices, at any offset within a later one.
@@ -39,6 +39,8 @@ def test_common_prefix_is_where_the_ids_part_for_lists_and_arrays(
     assert common_prefix(a, b) == want == common_prefix(b, a)
     assert common_prefix(array("I", a), array("I", b)) == want
     assert common_prefix(array("I", a), b) == 0  # an array and a list: nothing is taken as shared
+    text_a, text_b = "".join(map(str, a)), "".join(map(str, b))  # the tokenizer cache's texts
+    assert common_prefix(text_a, text_b) == naive(list(text_a), list(text_b))
 
 
 def test_find_takes_the_longest_shared_prefix_under_the_key_only() -> None:
