@@ -7,8 +7,8 @@ ids. `IdLists` keeps the lists of recent prompts and builds the next one from th
 prompt shares with it (pointer copies of the same, immutable, int objects) plus the new ids' ints.
 
 Which prefix is shared is found by comparing the machine integers (`KeptPrompts`), never assumed, so the list
-equals `ids.tolist()` whatever was kept. vLLM gets a list of its own each time:
-a kept list is never handed out, so nothing vLLM does to its prompt list can change a later prompt.
+equals `ids.tolist()` whatever was kept. vLLM gets a list of its own each time: a kept list is never handed
+out, so nothing vLLM does to its prompt list can change a later prompt.
 """
 
 from __future__ import annotations
