@@ -29,7 +29,8 @@ Decode's retention service reports the setting (`forwarded_ids` in `/agentkv/v1/
 where agentkv's wrapper runs and also reads them packed) so that the router sends the ids only where they
 are taken, in the cheaper form where it can. Packed ids become vLLM's list with the ints of the longest prefix
 a recent prompt shares taken from that prompt's list (`_id_lists`, `AGENTKV_KEPT_PROMPT_IDS` ids kept, 0:
-none): an agent's next turn makes ints only for what it adds.
+none): an agent's next turn makes ints only for what it adds. On vLLM 0.32+ the list the wrapper checked (or
+it and prefill's token) skips vLLM's second vocabulary check (`agentkv_vllm_id_checks_total{result}`).
 
 **Decode starts from prefill's token** (`AGENTKV_PREFILL_TOKEN` = `on`): where the router forwards the
 token prefill sampled, decode takes it as its prompt's last id instead of computing that token again, and
