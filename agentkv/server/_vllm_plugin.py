@@ -236,23 +236,13 @@ def _wrap(original: Any, *, verify: bool) -> Any:
     return _tokenize_prompt
 
 
-def _kept_ids() -> int:
+def _ids_setting(env: str, default: int, *, unknown: str) -> int:
+    """A number of ids from the environment (`default` where unset); 0, logged with `unknown`, where it is
+    not a number."""
     try:
-        return max(0, int(os.environ.get(ENV_KEPT_IDS, DEFAULT_KEPT_IDS)))
+        return max(0, int(os.environ.get(env, default)))
     except ValueError:
-        logger.warning("%s=%r is not a number of ids: none kept", ENV_KEPT_IDS, os.environ[ENV_KEPT_IDS])
-        return 0
-
-
-def _prime_tokens() -> int:
-    try:
-        return max(0, int(os.environ.get(ENV_PRIME, "0")))
-    except ValueError:
-        logger.warning(
-            "%s=%r is not a number of ids: the detokenizer is primed as vLLM does",
-            ENV_PRIME,
-            os.environ[ENV_PRIME],
-        )
+        logger.warning("%s=%r is not a number of ids: %s", env, os.environ[env], unknown)
         return 0
 
 
@@ -325,7 +315,7 @@ def _register_prime_tail(keep: int) -> None:
 
 def register() -> None:
     """vLLM's plugin hook; runs in every vLLM process, before any renderer exists."""
-    keep = _prime_tokens()
+    keep = _ids_setting(ENV_PRIME, 0, unknown="the detokenizer is primed as vLLM does")
     if keep:
         _register_prime_tail(keep)
     if _switch(ENV_FAST_JSON, unknown="JSON stays the standard library's") is not None:
@@ -335,7 +325,10 @@ def register() -> None:
     if (forwarded := forwarded_ids_mode()) is not None:
         from agentkv.server import _forwarded_ids
 
-        _forwarded_ids.install(always=forwarded == "always", kept_ids=_kept_ids())
+        _forwarded_ids.install(
+            always=forwarded == "always",
+            kept_ids=_ids_setting(ENV_KEPT_IDS, DEFAULT_KEPT_IDS, unknown="none kept"),
+        )
     if _switch(ENV_PREFILL_TOKEN, unknown="decode computes the prompt's last token again") is not None:
         from agentkv.server import _prefill_token
 

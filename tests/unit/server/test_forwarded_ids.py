@@ -15,7 +15,13 @@ from agentkv._wire import MESSAGES_CUT_KEY, PACKED_IDS_KEY, has_non_text_content
 from agentkv.server import _forwarded_ids
 from agentkv.server._forwarded_ids import forwarded_ids
 from agentkv.server._id_lists import IdLists
-from agentkv.server._vllm_plugin import ENV_FORWARDED_IDS, forwarded_ids_mode
+from agentkv.server._vllm_plugin import (
+    DEFAULT_KEPT_IDS,
+    ENV_FORWARDED_IDS,
+    ENV_KEPT_IDS,
+    _ids_setting,
+    forwarded_ids_mode,
+)
 
 INVALID = type(_forwarded_ids._error(""))  # vLLM's validation error, whichever class this release has
 TEXT = [{"role": "user", "content": "hi"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}]
@@ -226,6 +232,21 @@ def test_the_mode_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) 
         assert forwarded_ids_mode() == mode
     monkeypatch.delenv(ENV_FORWARDED_IDS)
     assert forwarded_ids_mode() is None
+
+
+def test_how_many_ids_to_keep_is_read_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def kept() -> int:
+        return _ids_setting(ENV_KEPT_IDS, DEFAULT_KEPT_IDS, unknown="none kept")
+
+    monkeypatch.delenv(ENV_KEPT_IDS, raising=False)
+    assert kept() == DEFAULT_KEPT_IDS
+    for value, n in (("0", 0), ("5000", 5000), ("-3", 0)):
+        monkeypatch.setenv(ENV_KEPT_IDS, value)
+        assert kept() == n
+    monkeypatch.setenv(ENV_KEPT_IDS, "lots")
+    assert kept() == 0 and "is not a number of ids: none kept" in caplog.text
 
 
 def test_install_leaves_a_vllm_with_its_own_alone_unless_told_always(monkeypatch: pytest.MonkeyPatch) -> None:
