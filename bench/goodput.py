@@ -168,6 +168,22 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One run's data from the JSONs of several calls (the GPU host gives a command 10 minutes): the legs of
+    all of them (a later file's leg replaces an earlier one's), with knees and ``targets`` computed over the
+    merged legs, since each file's own ``targets`` compared only the legs that file ran."""
+    merged = dict(docs[0]["data"])
+    merged["legs"] = {leg: dict(r) for d in docs for leg, r in d["data"]["legs"].items()}
+    for result in merged["legs"].values():
+        result["knee"] = knee(result["steps"])
+    merged["skipped_legs"] = {}
+    merged["targets"] = targets(merged["legs"])
+    merged["merged_from"] = [d["command"] for d in docs]
+    merged["merged_versions"] = [d.get("versions") for d in docs]  # the runs' hosts, not this one
+    merged["wall_s"] = sum(d["data"].get("wall_s") or 0 for d in docs)
+    return merged
+
+
 def router_settings(leg: str, path_policy: str, extra: Sequence[str]) -> dict[str, Any]:
     """The router's settings in a P/D leg: reuse only in ``on`` and ``exact``, ``exact=true`` only in
     ``exact`` (OFF is stock P/D: decode keeps its prefix cache); ``extra`` (``KEY=VALUE``) wins."""
@@ -243,14 +259,14 @@ class _Deployment:
 
     def up(self) -> float:
         from agentkv._constants import LEASE_PORT_OFFSET
-        from agentkv.server._launcher import free_port
+        from agentkv.server.launch._launcher import free_port
 
         args = self.args
         env = dict(args.env)
         log_dir = Path(args.log_dir) / self.group
         t = time.monotonic()
         if self.group == "agg":
-            from agentkv.server._launcher import Engine, EngineSpec
+            from agentkv.server.launch._launcher import Engine, EngineSpec
 
             spec = EngineSpec(
                 role="single",
@@ -278,7 +294,7 @@ class _Deployment:
                 raise
             self.endpoints = [Endpoint(role="single", url=spec.url)]
         else:
-            from agentkv.server._cluster import Cluster, ClusterConfig
+            from agentkv.server.launch._cluster import Cluster, ClusterConfig
 
             config = ClusterConfig(
                 model=args.model,
@@ -312,7 +328,7 @@ class _Deployment:
         """The URL clients talk to in ``leg``: a fresh router for P/D legs, the server itself for ``agg``."""
         if self.engine is not None:
             return str(self.engine.spec.url)
-        from agentkv.server._launcher import free_port
+        from agentkv.server.launch._launcher import free_port
         from bench._servers import router_server
 
         settings = router_settings(leg, self.args.path_policy, self.args.router_setting or [])
@@ -528,13 +544,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = _parser().parse_args(argv)
     if args.merge:
         # The GPU host gives a command 10 minutes, so a run's legs may come from several calls.
-        docs = [json.loads(Path(p).read_text()) for p in args.merge]
-        merged = dict(docs[0]["data"])
-        merged["legs"] = {leg: r for d in docs for leg, r in d["data"]["legs"].items()}
-        merged["skipped_legs"] = {}
-        merged["merged_from"] = [d["command"] for d in docs]
-        merged["merged_versions"] = [d.get("versions") for d in docs]  # the runs' hosts, not this one
-        merged["wall_s"] = sum(d["data"].get("wall_s") or 0 for d in docs)
+        merged = merge([json.loads(Path(p).read_text()) for p in args.merge])
         from bench._common import write_results
 
         path = write_results(NAME, merged, out_dir=Path(args.out or "bench/results/goodput_merged"))
@@ -553,11 +563,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     t0 = time.monotonic()
     deadline = t0 + (args.budget_s if args.budget_s is not None else 1e9)
     if args.device is None:
-        from agentkv.server._launcher import detect_device
+        from agentkv.server.launch._launcher import detect_device
 
         args.device = detect_device()
     if args.device == "cpu":
-        from agentkv.server._model import ensure_tiny_model
+        from agentkv.server.launch._model import ensure_tiny_model
 
         ensure_tiny_model(Path(args.model))
     out = Path(args.out or f"bench/results/{NAME}_{args.device}")

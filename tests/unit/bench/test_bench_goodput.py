@@ -24,7 +24,7 @@ from bench._agentload import (
 from bench._engine_metrics import CONNECTOR, VLLM, Sample, digest, parse, series
 from bench._plugin_args import kv_config_item
 from bench._trace import Conversation, Request
-from bench.goodput import groups, limits, router_paths, router_settings, targets
+from bench.goodput import groups, limits, merge, router_paths, router_settings, targets
 
 VLLM_TEXT = """\
 # HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
@@ -53,7 +53,7 @@ def test_parse_reads_vllm_names_and_the_engine_block_count() -> None:
 
 
 def test_parse_reads_the_connector_service_exposition() -> None:
-    from agentkv.server._connector._service import render_metrics
+    from agentkv.server.engine._connector._service import render_metrics
 
     text = render_metrics({"role": "decode", "stats": {"not_retained": 2, "pulls": 5}}, 3, 250)
     got = parse(text, CONNECTOR)
@@ -262,6 +262,50 @@ def test_targets_compare_equal_loads_where_a_leg_has_no_knee() -> None:
     lost = targets({"off": leg(0.0, {6: 0.7}), "on": leg(0.0, {6: 0.0})})
     assert lost["on_vs_off_met"] is False
     assert lost["on_vs_off_at_equal_loads"] == [{"conversations": 6, "on": 0.0, "off": 0.7, "ratio": 0.0}]
+
+
+def test_merge_computes_targets_over_the_merged_legs() -> None:
+    """A run whose legs came from two calls: the merged targets compare legs of different files (each file's
+    own targets saw only its legs), and the knees are the steps' by the current rule."""
+
+    def doc(command: str, legs: dict[str, list[tuple[int, float, bool]]]) -> dict[str, Any]:
+        data = {
+            leg: {
+                "knee": {"stale": True},
+                "steps": [
+                    {
+                        "rate": n / 12,
+                        "conversations": n,
+                        "summary": {"errors": {}, "goodput_turns_s": g, "slo_ok": ok, "hit_rate": 0.97},
+                    }
+                    for n, g, ok in steps
+                ],
+            }
+            for leg, steps in legs.items()
+        }
+        stale = targets(
+            {leg: {**r, "knee": {"goodput_turns_s": 0.0, "hit_rate": None}} for leg, r in data.items()}
+        )
+        return {"command": command, "data": {"legs": data, "targets": stale, "wall_s": 10.0}}
+
+    first = doc("agg run", {"agg": [(12, 1.737, True), (18, 2.012, False)]})
+    second = doc("off run", {"off": [(6, 0.728, False), (12, 0.635, False)]})
+    third = doc("on run", {"on": [(12, 1.736, True), (18, 2.088, False)]})
+    merged = merge([first, second, third])
+    t = merged["targets"]
+    assert set(merged["legs"]) == {"agg", "off", "on"}
+    assert merged["legs"]["on"]["knee"] == {
+        "rate": 1.0,
+        "goodput_turns_s": 1.736,
+        "hit_rate": 0.97,
+        "reached": True,
+    }
+    assert t["on_vs_off_met"] is True and t["on_vs_off_goodput"] is None  # OFF has no knee
+    assert t["on_vs_off_at_equal_loads"] == [{"conversations": 12, "on": 1.736, "off": 0.635, "ratio": 2.734}]
+    assert t["on_vs_agg_goodput"] == 0.999 and t["on_vs_agg_met"] is False
+    assert t["on_hit_rate_met"] is True
+    assert merged["merged_from"] == ["agg run", "off run", "on run"] and merged["wall_s"] == 30.0
+    assert first["data"]["legs"]["agg"]["knee"] == {"stale": True}  # the inputs are left as they were
 
 
 def _short_plans(**kw: Any) -> list[Any]:
