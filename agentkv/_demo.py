@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from agentkv.server._launcher import start_router
+from agentkv.server.launch._launcher import start_router
 
 __all__ = ["run_demo"]
 
@@ -36,8 +36,8 @@ def _status(console: Console, message: str) -> Iterator[Callable[[str], None]]:
 
 
 def run_demo(*, turns: int, conversations: int, keep: bool, console: Console) -> dict[str, Any]:
-    from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import ensure_tiny_model, tiny_serving
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._model import ensure_tiny_model, tiny_serving
     from agentkv.session import run_research_agent
 
     model = ensure_tiny_model()

@@ -72,7 +72,7 @@ DECODE_TAIL_KEY = "agentkv_decode_tail_tokens"
 # agentkv plugin must run the ids, and answers a 400 rather than render what is left (`cut_messages`).
 MESSAGES_CUT_KEY = "agentkv_messages_cut"
 # The token prefill sampled, for a decode that starts from it instead of computing the prompt's last token
-# again (`agentkv.server._prefill_token`); a decode without agentkv's plugin ignores it.
+# again (`agentkv.server.engine.plugin._prefill_token`); a decode without agentkv's plugin ignores it.
 PREFILL_TOKEN_KEY = "agentkv_prefill_token"
 # ... and, where the client asked for logprobs, that token's as prefill computed them (`prefill_logprobs`):
 # {"k": top logprobs asked, "top": [[id, logprob, rank], ...] in vLLM's order, the sampled token first}.

@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentkv._exceptions import AgentKVError
-from agentkv.server._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
+from agentkv.server.engine.plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
+from agentkv.server.launch._model import DEFAULT_MODEL_DIR, TinyModelSpec, ensure_tiny_model, make_tiny_model
 
 app = typer.Typer(
     help="KV-cache reuse for multi-turn agents on prefill/decode disaggregated vLLM.",
@@ -120,7 +120,7 @@ def serve(
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
     from agentkv._constants import LEASE_PORT_OFFSET
-    from agentkv.server._launcher import Engine, EngineSpec, detect_device
+    from agentkv.server.launch._launcher import Engine, EngineSpec, detect_device
 
     if role not in ("prefill", "decode", "single"):
         raise typer.BadParameter("role must be prefill, decode or single", param_hint="ROLE")
@@ -194,7 +194,7 @@ def up(
     foreground: Annotated[bool, typer.Option(help="Stay attached; Ctrl-C stops everything.")] = False,
 ) -> None:
     """Start a local xPyD cluster (default 1P1D) and the router; print where everything listens."""
-    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
 
     overrides: dict[str, Any] = dict(
         n_prefill=prefill,
@@ -227,7 +227,7 @@ def up(
 
 def _tiny_model_defaults() -> dict[str, Any]:
     """No model named: the tiny model (built if missing), served as ``tiny_serving()`` says."""
-    from agentkv.server._model import tiny_serving
+    from agentkv.server.launch._model import tiny_serving
 
     return {"model": str(ensure_tiny_model()), **tiny_serving()}
 
@@ -271,7 +271,7 @@ def warm_up(
     """
     from dataclasses import asdict
 
-    from agentkv.server._warmup import warm_up_pair
+    from agentkv.server.launch._warmup import warm_up_pair
 
     try:
         for p in prefill:
@@ -284,7 +284,7 @@ def warm_up(
 @app.command()
 def down() -> None:
     """Stop what `agentkv up` started."""
-    from agentkv.server._cluster import stop_from_state
+    from agentkv.server.launch._cluster import stop_from_state
 
     stopped = stop_from_state()
     console.print(f"stopped: {', '.join(stopped)}" if stopped else "nothing was running")

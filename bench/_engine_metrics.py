@@ -1,7 +1,8 @@
 """Engines' Prometheus metrics over time: KV occupancy, retained share, preemptions, queue time.
 
 ``EngineWatch`` polls every engine's ``/metrics`` (vLLM's API server) and, where it has one, our connector's
-retention service ``/metrics`` (``agentkv.server._connector._service``) from a background thread. Parsing
+retention service ``/metrics`` (``agentkv.server.engine._connector._service``) from a background thread.
+Parsing
 and the per-step digest are pure (``parse``, ``digest``) and unit-tested on fixed text.
 """
 

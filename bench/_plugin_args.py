@@ -7,7 +7,7 @@ import argparse
 import json
 from typing import Any
 
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
+from agentkv.server.engine.plugin import DEFAULT_PRIME_TOKENS, FORWARDED_IDS_MODES, TOKENIZER_CACHE_MODES
 
 __all__ = [
     "add_env_arg",

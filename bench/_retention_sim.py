@@ -2,7 +2,7 @@
 
 What is real and what is simulated (also in bench/README.md):
 
-* Real: the lease policy object, ``agentkv.server._connector._leases.LeaseTable`` (the table decode's
+* Real: the lease policy object, ``agentkv.server.engine._connector._leases.LeaseTable`` (the table decode's
   scheduler and retention service share), driven through ``add``/``renew``/``release``/``drain``/
   ``lookup``/``forget`` exactly as the connector does, on a virtual clock injected through its ``clock``.
 * Modelled: vLLM's fixed pin (``decoder_kv_blocks_ttl``: a deadline of finish + TTL, never renewed, no
@@ -87,7 +87,7 @@ class HeartbeatLease:
     def __init__(
         self, *, lease_s: float, max_lease_s: float, clock: Callable[[], float], capacity_blocks: int | None
     ) -> None:
-        from agentkv.server._connector._leases import LeaseTable
+        from agentkv.server.engine._connector._leases import LeaseTable
 
         self.name = f"heartbeat lease {lease_s:g}s"
         self._lease_s = lease_s

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentkv.server._launcher import router_command
+from agentkv.server.launch._launcher import router_command
 from bench._procs import ServerProcess
 from bench._upstream import proxy_command
 

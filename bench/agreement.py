@@ -323,7 +323,7 @@ def _first_token_side(prefill: str, decode: str, model: str, *, block_size: int)
 
 def _serving(args: argparse.Namespace) -> dict[str, Any]:
     """How the engines serve the model: the tiny model's settings on CPU, ``--engine-arg`` on either."""
-    from agentkv.server._model import tiny_serving
+    from agentkv.server.launch._model import tiny_serving
 
     if args.device == "cpu":
         serving = tiny_serving()
@@ -343,7 +343,7 @@ def _pd_side(
 ) -> list[dict[str, Any]]:
     """The P/D sides on one 1P1D cluster whose engines get ``kv_config``; ``label`` ends each side's name.
     Decode's agentkv counters at the end go into ``counters`` under the label."""
-    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
     from bench._servers import router_server
 
     cfg = ClusterConfig(
@@ -441,7 +441,7 @@ def _single_side(
     args: argparse.Namespace, seeds: range, logs: Path, pd_rows: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
     """The single server's own side, then its fresh answer to every P/D reuse turn (the common reference)."""
-    from agentkv.server._launcher import Engine, EngineSpec
+    from agentkv.server.launch._launcher import Engine, EngineSpec
 
     serving = _serving(args)
     # Only the single server's: e.g. decode's KV layout (VLLM_KV_CACHE_LAYOUT=HND, which the NIXL connector
@@ -658,7 +658,7 @@ def main(argv: list[str] | None = None) -> None:
         "conversation), against its own fresh-salt recompute and the common reference",
     )
     args = ap.parse_args(argv)
-    from agentkv.server._model import ensure_tiny_model
+    from agentkv.server.launch._model import ensure_tiny_model
 
     if args.device == "cpu":
         ensure_tiny_model(Path(args.model))

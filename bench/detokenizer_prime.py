@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from vllm.v1.engine import EngineCoreRequest
     from vllm.v1.engine import detokenizer as vllm_detokenizer
 
-    from agentkv.server._model import ensure_tiny_model
-    from agentkv.server._vllm_plugin import _prime_with_tail
+    from agentkv.server.engine.plugin._register import _prime_with_tail
+    from agentkv.server.launch._model import ensure_tiny_model
 
     tokenizer = get_tokenizer(str(ensure_tiny_model(Path(args.model))))
     cls = vllm_detokenizer.FastIncrementalDetokenizer

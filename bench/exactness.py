@@ -152,8 +152,8 @@ def plot(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
 
 
 def _with_cluster(args: argparse.Namespace, seeds: range) -> list[dict[str, Any]]:
-    from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import ensure_tiny_model, tiny_serving
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._model import ensure_tiny_model, tiny_serving
     from bench._servers import router_server
 
     serving: dict[str, Any] = {"device": "gpu"}

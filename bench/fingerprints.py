@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentkv.server._connector._hashing import DIGEST, ChainCache, block_fingerprints
+from agentkv.server.engine._connector._hashing import DIGEST, ChainCache, block_fingerprints
 from bench._common import line_chart, print_table, results_dir, write_rows
 
 NAME = "fingerprints"
@@ -63,7 +63,7 @@ def _extend_ms(previous: list[int], old_keys: Any, ids: list[int], keys: Any, bs
 def _reuse_ms(previous: list[int], ids: list[int], bs: int, rounds: int) -> float:
     """The new turn's ``Request`` with vLLM's sha256 hasher behind agentkv's reuse, which holds the previous
     turn's prompt (timed without that turn; checked against vLLM's own hashes)."""
-    from agentkv.server._connector._block_hashes import HashReuse
+    from agentkv.server.engine._connector._block_hashes import HashReuse
 
     times = []
     for _ in range(rounds):
@@ -120,7 +120,7 @@ def _request_factory(block_size: int, algo: str | None, *, reuse: Any = None) ->
         init_none_hash(fn)
         hasher = get_request_block_hasher(block_size, fn)
         if reuse is not None:
-            from agentkv.server._connector._block_hashes import reusing_hasher
+            from agentkv.server.engine._connector._block_hashes import reusing_hasher
 
             hasher = reusing_hasher(hasher, reuse)
     params = SamplingParams(max_tokens=1)

@@ -26,7 +26,7 @@ import httpx
 from hypothesis import HealthCheck, Phase, given, seed, settings
 
 from agentkv._constants import LEASE_PORT_OFFSET
-from agentkv.server._launcher import free_port
+from agentkv.server.launch._launcher import free_port
 from bench._common import console, make_progress, print_table, results_dir, write_results
 from bench._http_cases import MAX_BODY_BYTES, SENTINEL, answer_problems, requests, touches_sentinel
 from bench._procs import ProcessSampler, ServerProcess, exit_on_sigterm, running, stub_command

@@ -38,7 +38,7 @@ def _row(n: int, new: int, rounds: int, rng: random.Random) -> dict[str, Any]:
     import msgspec
 
     from agentkv._wire import pack_ids, unpack_ids
-    from agentkv.server._id_lists import IdLists
+    from agentkv.server.engine.plugin._id_lists import IdLists
 
     prompt = [rng.randrange(1000, 150_000) for _ in range(n)]  # a real vocabulary's ids: few small ints
     previous, packed = prompt[: n - new], pack_ids(prompt)

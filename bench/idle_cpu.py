@@ -42,8 +42,8 @@ def measure(pgids: dict[str, int], window: float) -> dict[str, float]:
 
 
 def run_variant(name: str, *, agentkv: bool, args: argparse.Namespace) -> dict[str, Any]:
-    from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import ensure_tiny_model
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._model import ensure_tiny_model
 
     model = ensure_tiny_model(Path(args.model))
     cfg = ClusterConfig(

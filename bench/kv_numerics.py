@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from agentkv.server._model import ensure_tiny_model
+    from agentkv.server.launch._model import ensure_tiny_model
 
     ensure_tiny_model(Path(args.model))
     rows = _measure(args)

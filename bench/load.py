@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv._constants import LEASE_PORT_OFFSET
-from agentkv.server._launcher import free_port
+from agentkv.server.launch._launcher import free_port
 from bench._common import (
     command_line,
     console,

@@ -407,7 +407,7 @@ REUSE_LEGS = ("on", "exact")
 
 
 def start_leg(args: argparse.Namespace, leg: str) -> Any:
-    from agentkv.server._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
 
     on = leg in REUSE_LEGS
     extra_args = list(args.engine_arg or [])
@@ -452,7 +452,7 @@ def plugin_counts(url: str) -> dict[str, float]:
 
 def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
     """Leg ``agg``: one vLLM server with prefix caching; the client streams to it directly."""
-    from agentkv.server._launcher import Engine, EngineSpec
+    from agentkv.server.launch._launcher import Engine, EngineSpec
 
     spec = EngineSpec(
         role="single",
@@ -481,7 +481,7 @@ def run_agg(args: argparse.Namespace, shape: str) -> list[dict[str, Any]]:
 
 
 def start_leg_router(args: argparse.Namespace, cluster: Any, leg: str, shape: str) -> Any:
-    from agentkv.server._launcher import start_router
+    from agentkv.server.launch._launcher import start_router
 
     policy = args.path_policy or ("always-pd" if shape == "published" else "auto")
     # `on` is the router's default (vLLM's prefix-cache semantics: decode serves what it holds from its own
@@ -754,11 +754,11 @@ def main(argv: list[str] | None = None) -> None:
         plot(doc, Path(args.plot).parent)
         return
     if args.device is None:
-        from agentkv.server._launcher import detect_device
+        from agentkv.server.launch._launcher import detect_device
 
         args.device = detect_device()
     if args.device == "cpu":
-        from agentkv.server._model import ensure_tiny_model
+        from agentkv.server.launch._model import ensure_tiny_model
 
         ensure_tiny_model(Path(args.model))
     Path(args.log_dir).mkdir(parents=True, exist_ok=True)

@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     add_fast_json_arg(ap)
     add_env_arg(ap)
     args = ap.parse_args(argv)
-    from agentkv.server._launcher import Engine, EngineSpec
-    from agentkv.server._model import ensure_tiny_model
+    from agentkv.server.launch._launcher import Engine, EngineSpec
+    from agentkv.server.launch._model import ensure_tiny_model
 
     lengths = [int(n) for n in args.lengths.split(",")]
     model = ensure_tiny_model(Path(args.model))

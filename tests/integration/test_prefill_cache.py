@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentkv.server._cluster import Cluster
-from agentkv.server._model import tiny_serving
+from agentkv.server.launch._cluster import Cluster
+from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
 from ._helpers import (

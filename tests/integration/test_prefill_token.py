@@ -1,4 +1,5 @@
-"""Decode starts from the token prefill sampled (`agentkv.server._prefill_token`), on the real CPU cluster.
+"""Decode starts from the token prefill sampled (`agentkv.server.engine.plugin._prefill_token`), on the real
+CPU cluster.
 
 A greedy P/D turn through the router then computes what one server computes: prefill computes the prompt and
 samples token 1, decode loads exactly that KV and computes token 1 in its first step. The one server here
@@ -14,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 from agentkv.server.router._backend import block_size_of
 
 from ._helpers import HTTP_TIMEOUT_S, MODEL, RouterProc, conversation_script, metric, new_id

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster
-from agentkv.server._model import tiny_serving
+from agentkv.server.launch._cluster import Cluster
+from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
 from ._helpers import MODEL, chat, pd_turn, retained_params, service_info

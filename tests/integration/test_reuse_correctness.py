@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 
 from ._cases import CASES, run_case
 from ._helpers import CPU_BLOCK, RouterProc, chat, conversation_script, metric, new_id, service_info

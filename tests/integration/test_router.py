@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 
 from ._helpers import (
     MODEL,

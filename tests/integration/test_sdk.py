@@ -10,7 +10,7 @@ from typing import Literal
 import httpx
 
 from agentkv import Session, Tool
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 
 from ._clusters import LEASE_S
 from ._helpers import MODEL, RouterProc, conversation_script, metric, service_info

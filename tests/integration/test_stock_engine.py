@@ -12,7 +12,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 
 from ._cases import (
     TOOLS,

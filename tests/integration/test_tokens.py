@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 
 from agentkv._wire import PACKED_IDS_KEY, pack_ids
-from agentkv.server._cluster import Cluster
+from agentkv.server.launch._cluster import Cluster
 
 from ._cases import TOOLS, two_turns
 from ._helpers import (

@@ -6,7 +6,7 @@ import pytest
 
 from bench._retention_sim import Scenario, ScriptedConversation, ScriptedTurn, replay
 
-pytest.importorskip("agentkv.server._connector._leases")
+pytest.importorskip("agentkv.server.engine._connector._leases")
 
 # Service time zero so block-seconds are exact: tokens 16*10+1 -> 160 computed -> 10 blocks.
 SCENARIO = Scenario(lease_s=30, ttl_s=480, block_size=16, prefill_us_per_token=0, itl_ms=0)

@@ -20,7 +20,9 @@ from pathlib import Path
 __all__ = ["Tree", "Use", "check", "has_member", "uses", "vllm_modules"]
 
 REPO = Path(__file__).resolve().parents[3]
-VLLM_IMPORTS = "agentkv/server/_connector/_vllm.py"  # the vLLM classes we extend, imported in one place
+VLLM_IMPORTS = (
+    "agentkv/server/engine/_connector/_vllm.py"  # the vLLM classes we extend, imported in one place
+)
 
 
 def vllm_modules(root: Path = REPO) -> tuple[str, ...]:

@@ -20,7 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from agentkv.server._versions import API_CHECKED, is_supported
+from agentkv.server.launch._versions import API_CHECKED, is_supported
 
 from ._api import REPO, Tree, Use, check, has_member, uses, vllm_modules
 
@@ -45,10 +45,10 @@ def source(request: pytest.FixtureRequest) -> tuple[str, Path]:
 def test_our_connector_uses_what_we_expect_to_check() -> None:
     # The extraction itself: if it silently found nothing, every release would pass.
     assert set(vllm_modules()) >= {
-        "agentkv/server/connector.py",
-        "agentkv/server/_connector/_vllm.py",
-        "agentkv/server/_connector/_scheduler.py",
-        "agentkv/server/_connector/_worker.py",
+        "agentkv/server/engine/connector.py",
+        "agentkv/server/engine/_connector/_vllm.py",
+        "agentkv/server/engine/_connector/_scheduler.py",
+        "agentkv/server/engine/_connector/_worker.py",
     }
     kinds = {(u.kind, u.owner.split(".")[0], u.name) for u in USES}
     assert ("override", "NixlPullConnectorScheduler", "request_finished") in kinds
@@ -83,7 +83,8 @@ def test_attributes_we_set_for_vllm_exist_in_every_release() -> None:
 
 
 def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(source: tuple[str, Path]) -> None:
-    """`agentkv/server/_forwarded_ids.py` wraps two coroutine methods by position and keyword: the request and
+    """`agentkv/server/engine/plugin/_forwarded_ids.py` wraps two coroutine methods by position and keyword:
+    the request and
     messages first in `preprocess_chat`, the conversations first and `prompt_extras` by keyword in
     `render_chat_async` (which `preprocess_chat` calls once, on `self.renderer`)."""
     version, root = source
@@ -119,7 +120,8 @@ def test_the_methods_the_plugin_wraps_for_forwarded_ids_take_what_it_passes(sour
 def test_the_engine_client_the_plugin_wraps_for_prefills_token_takes_and_yields_what_it_reads(
     source: tuple[str, Path],
 ) -> None:
-    """`agentkv/server/_prefill_token.py` wraps `AsyncLLM.generate` by position (prompt, sampling params,
+    """`agentkv/server/engine/plugin/_prefill_token.py` wraps `AsyncLLM.generate` by position (prompt,
+    sampling params,
     request id), reads the block size off `vllm_config.cache_config` and the tokenizer off the client, and
     rewrites `prompt_token_ids` on each `RequestOutput` and `token_ids`/`text` on its `CompletionOutput`s;
     the serving layers hand it a token engine input (a dict with `prompt_token_ids`)."""
@@ -154,7 +156,8 @@ def test_the_engine_client_the_plugin_wraps_for_prefills_token_takes_and_yields_
 def test_the_detokenizer_the_plugin_primes_reads_the_prompt_only_for_its_decode_stream(
     source: tuple[str, Path],
 ) -> None:
-    """`agentkv/server/_vllm_plugin.py` hands `FastIncrementalDetokenizer.__init__` a copy of the request
+    """`agentkv/server/engine/plugin/_register.py` hands `FastIncrementalDetokenizer.__init__` a copy of the
+    request
     holding only the prompt's tail (`msgspec.structs.replace`): sound only while that constructor reads the
     prompt for nothing but its `DecodeStream`, steps with `tokenizer._tokenizer`, and the request is a
     msgspec struct."""

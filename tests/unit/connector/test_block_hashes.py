@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.server._connector._block_hashes import HashReuse, install, reusing_hasher
+from agentkv.server.engine._connector._block_hashes import HashReuse, install, reusing_hasher
 
 BS = 16
 

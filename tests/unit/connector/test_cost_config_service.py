@@ -1,10 +1,10 @@
 import pytest
 
 from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
-from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
-from agentkv.server._connector._cost import PullCostModel, _DecayedLine
-from agentkv.server._connector._leases import LeaseTable
-from agentkv.server._connector._service import RetentionService, render_metrics
+from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
+from agentkv.server.engine._connector._cost import PullCostModel, _DecayedLine
+from agentkv.server.engine._connector._leases import LeaseTable
+from agentkv.server.engine._connector._service import RetentionService, render_metrics
 
 
 def test_static_threshold_is_a_floor_and_model_defers_until_it_has_data() -> None:
@@ -193,7 +193,7 @@ def test_prefill_rate_grows_with_context_and_prices_the_pulled_span_at_its_middl
 def test_mean_position_of_a_step_weights_requests_by_their_tokens() -> None:
     from types import SimpleNamespace
 
-    from agentkv.server._connector._scheduler import _mean_position
+    from agentkv.server.engine._connector._scheduler import _mean_position
 
     out = SimpleNamespace(
         num_scheduled_tokens={"new": 100, "old": 1},
@@ -216,7 +216,7 @@ def test_mean_position_of_a_step_weights_requests_by_their_tokens() -> None:
 
 
 def test_blocks_a_finished_request_holds_are_counted_per_group_or_flat() -> None:
-    from agentkv.server._connector._scheduler import _count_blocks
+    from agentkv.server.engine._connector._scheduler import _count_blocks
 
     assert _count_blocks(([1, 2, 3],)) == 3  # one KV cache group
     assert _count_blocks(([1, 2], [7, 8, 9])) == 5  # groups share one pool: every block counts

@@ -3,7 +3,7 @@ import hashlib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentkv.server._connector._hashing import (
+from agentkv.server.engine._connector._hashing import (
     DIGEST,
     ChainCache,
     block_fingerprints,

@@ -3,7 +3,7 @@ import json
 import urllib.error
 from typing import Any
 
-from agentkv.server._connector._held import HeldCheck
+from agentkv.server.engine._connector._held import HeldCheck
 
 SERVICE = "http://d0:9200"
 

@@ -5,7 +5,7 @@ import threading
 import time
 from typing import Any
 
-from agentkv.server._connector._scheduler import _engine_input_queue, _wait_for_input
+from agentkv.server.engine._connector._scheduler import _engine_input_queue, _wait_for_input
 
 
 class FakeEngineCore:

@@ -1,6 +1,6 @@
 import pytest
 
-from agentkv.server._connector._leases import LeaseTable
+from agentkv.server.engine._connector._leases import LeaseTable
 
 
 class Clock:

@@ -4,7 +4,7 @@ from typing import Any
 
 import pytest
 
-from agentkv.server._connector._queues import tune_queue_readers
+from agentkv.server.engine._connector._queues import tune_queue_readers
 
 shm_broadcast = pytest.importorskip("vllm.distributed.device_communicators.shm_broadcast")
 

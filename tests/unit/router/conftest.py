@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from agentkv._constants import LEASE_PORT_OFFSET, PULLED_KEY
-from agentkv.server._launcher import free_port
+from agentkv.server.launch._launcher import free_port
 from agentkv.server.router import RouterSettings, create_app
 from bench._fake_vllm import Scripted, StubConfig, StubState
 

@@ -44,7 +44,7 @@ def tripwires(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     def no_model(*_a: Any, **_k: Any) -> Path:
         raise AssertionError("the CLI tried to build the tiny model")
 
-    monkeypatch.setattr("agentkv.server._cluster.Cluster.up", no_cluster)
+    monkeypatch.setattr("agentkv.server.launch._cluster.Cluster.up", no_cluster)
     monkeypatch.setattr("agentkv.cli.ensure_tiny_model", no_model)
     return served
 
@@ -249,7 +249,7 @@ def test_demo_table_says_what_its_timings_measure(capsys: pytest.CaptureFixture[
 @pytest.fixture
 def engine_envs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
     """The environment each `agentkv serve` in the test would start its engine with (nothing starts)."""
-    from agentkv.server._launcher import build_command
+    from agentkv.server.launch._launcher import build_command
 
     envs: list[dict[str, str]] = []
 
@@ -257,7 +257,7 @@ def engine_envs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
         envs.append(build_command(engine.spec)[1])
         raise SystemExit(0)
 
-    monkeypatch.setattr("agentkv.server._launcher.Engine.start", no_start)
+    monkeypatch.setattr("agentkv.server.launch._launcher.Engine.start", no_start)
     return envs
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from agentkv._exceptions import EngineError, EngineNotInstalledError, EngineStartError
-from agentkv.server import _launcher
-from agentkv.server._launcher import Engine, EngineSpec, free_port, kill_group
+from agentkv.server.launch import _launcher
+from agentkv.server.launch._launcher import Engine, EngineSpec, free_port, kill_group
 
 _real_find_spec = importlib.util.find_spec
 

@@ -16,8 +16,8 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from agentkv.server import _fast_json
-from agentkv.server._fast_json import dumps, loads
+from agentkv.server.engine.plugin import _fast_json
+from agentkv.server.engine.plugin._fast_json import dumps, loads
 
 fastapi = pytest.importorskip("fastapi")  # vLLM's API server framework (installed with vLLM)
 

@@ -12,10 +12,10 @@ import pytest
 
 from agentkv._exceptions import EngineVersionError
 from agentkv._wire import MESSAGES_CUT_KEY, PACKED_IDS_KEY, has_non_text_content, pack_ids
-from agentkv.server import _forwarded_ids
-from agentkv.server._forwarded_ids import forwarded_ids
-from agentkv.server._id_lists import IdLists
-from agentkv.server._vllm_plugin import (
+from agentkv.server.engine.plugin import _forwarded_ids
+from agentkv.server.engine.plugin._forwarded_ids import forwarded_ids
+from agentkv.server.engine.plugin._id_lists import IdLists
+from agentkv.server.engine.plugin._register import (
     DEFAULT_KEPT_IDS,
     ENV_FORWARDED_IDS,
     ENV_KEPT_IDS,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.server._id_lists import IdLists
+from agentkv.server.engine.plugin._id_lists import IdLists
 
 
 def ids(values: list[int]) -> array[int]:

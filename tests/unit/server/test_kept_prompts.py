@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentkv.server._kept_prompts import KeptPrompts, common_prefix
+from agentkv.server.engine._kept_prompts import KeptPrompts, common_prefix
 
 
 def naive(a: list[int], b: list[int]) -> int:

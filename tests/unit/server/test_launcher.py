@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 
 from agentkv._exceptions import ConfigError, EngineVersionError, ModelNotFoundError, PortInUseError
-from agentkv.server._cluster import ClusterConfig
-from agentkv.server._launcher import GPU_DECODE_GRAPHS, Engine, EngineSpec, build_command
+from agentkv.server.launch._cluster import ClusterConfig
+from agentkv.server.launch._launcher import GPU_DECODE_GRAPHS, Engine, EngineSpec, build_command
 
 
 def _kv(argv: list[str]) -> dict:  # type: ignore[type-arg]
@@ -17,7 +17,7 @@ def test_decode_on_cpu_gets_connector_lease_service_and_loopback_networking() ->
     argv, env = build_command(spec)
     kv = _kv(argv)
     assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
-    assert kv["kv_connector_module_path"] == "agentkv.server.connector"
+    assert kv["kv_connector_module_path"] == "agentkv.server.engine.connector"
     assert kv["kv_buffer_device"] == "cpu"
     extra = kv["kv_connector_extra_config"]
     assert extra["bidirectional_kv_xfer"] is True and extra["agentkv_service_port"] == 9200
@@ -160,11 +160,11 @@ def test_engine_check_refuses_an_unsupported_installed_vllm(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = Engine(spec=EngineSpec(role="decode", model=str(tmp_path), port=1), name="decode")
-    monkeypatch.setattr("agentkv.server._launcher.installed_version", lambda: "0.35.0")
+    monkeypatch.setattr("agentkv.server.launch._launcher.installed_version", lambda: "0.35.0")
     with pytest.raises(EngineVersionError, match=r"decode runs vLLM 0\.35\.0; agentkv supports vLLM >=0\.26"):
         engine.check()
-    monkeypatch.setattr("agentkv.server._launcher.installed_version", lambda: "0.34.0")
-    monkeypatch.setattr("agentkv.server._launcher.port_in_use", lambda *_: False)
+    monkeypatch.setattr("agentkv.server.launch._launcher.installed_version", lambda: "0.34.0")
+    monkeypatch.setattr("agentkv.server.launch._launcher.port_in_use", lambda *_: False)
     engine.check()
 
 
@@ -173,7 +173,7 @@ def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
 ) -> None:
     # One install runs every engine `up` starts, so this stands for engines that answer for another vLLM
     # (a port taken by an engine someone else started): refused before the warm-up and the router.
-    from agentkv.server._cluster import Cluster
+    from agentkv.server.launch._cluster import Cluster
 
     stopped: list[str] = []
     monkeypatch.setattr(Engine, "check", lambda self: None)
@@ -181,7 +181,7 @@ def test_cluster_up_refuses_engines_on_different_releases_and_stops_them(
     monkeypatch.setattr(Engine, "wait_healthy", lambda self, **_: 1.0)
     monkeypatch.setattr(Engine, "stop", lambda self, **_: stopped.append(self.name))
     versions = iter(["0.33.0", "0.34.0"])
-    monkeypatch.setattr("agentkv.server._cluster.engine_version", lambda http, url: next(versions))
+    monkeypatch.setattr("agentkv.server.launch._cluster.engine_version", lambda http, url: next(versions))
     cluster = Cluster(config=ClusterConfig(model=str(tmp_path), router_port=None))
     monkeypatch.setattr(cluster, "warm_up", lambda: pytest.fail("warm-up after a version mismatch"))
     with pytest.raises(EngineVersionError, match=r"same vLLM release.*0\.33\.0.*0\.34\.0"):
@@ -228,7 +228,7 @@ def test_engines_get_the_vllm_plugin_switched_on_and_a_cluster_config_can_switch
 
 
 def test_the_state_file_masks_secrets_in_the_environments(tmp_path: Path) -> None:
-    from agentkv.server._cluster import Cluster
+    from agentkv.server.launch._cluster import Cluster
 
     config = ClusterConfig(
         model=str(tmp_path),

@@ -21,7 +21,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from typer.testing import CliRunner  # noqa: E402
 
 from agentkv.cli import app  # noqa: E402
-from agentkv.server._model import TinyModelSpec, make_tiny_model  # noqa: E402
+from agentkv.server.launch._model import TinyModelSpec, make_tiny_model  # noqa: E402
 
 
 def _timed(name: str, build: Any) -> None:
@@ -140,7 +140,7 @@ def test_greedy_answers_depend_on_the_prompt(seed0: Path) -> None:
 
 
 def test_ensure_tiny_model_rebuilds_a_model_whose_chat_template_changed(tmp_path, monkeypatch) -> None:
-    from agentkv.server import _model
+    from agentkv.server.launch import _model
 
     built: list[Path] = []
 

@@ -1,4 +1,5 @@
-"""`agentkv.server._prefill_token` alone: when decode may start from prefill's token, and how the answer is
+"""`agentkv.server.engine.plugin._prefill_token` alone: when decode may start from prefill's token, and how
+the answer is
 put back together. A stand-in engine client; the real one: tests/integration/test_prefill_token.py."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from agentkv._wire import KV_KEY, PREFILL_LOGPROBS_KEY, PREFILL_TOKEN_KEY
-from agentkv.server._prefill_token import _VLLM, _token_text, _wrap_generate, refusal
+from agentkv.server.engine.plugin._prefill_token import _VLLM, _token_text, _wrap_generate, refusal
 
 DELTA, FINAL, CUMULATIVE = "delta", "final", "cumulative"
 
@@ -179,7 +180,7 @@ def test_the_answer_starts_with_prefills_token_and_the_prompt_is_given_back_as_i
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     counted: list[str] = []
-    monkeypatch.setattr("agentkv.server._prefill_token._count", counted.append)
+    monkeypatch.setattr("agentkv.server.engine.plugin._prefill_token._count", counted.append)
     engine = Engine()
     params = Params(output_kind=kind, max_tokens=3)
     outs = _run(engine, params, 9)
@@ -199,7 +200,7 @@ def test_the_answer_starts_with_prefills_token_and_the_prompt_is_given_back_as_i
 
 
 def test_token_ones_logprobs_from_prefill_lead_the_answers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("agentkv.server._prefill_token._count", lambda result: None)
+    monkeypatch.setattr("agentkv.server.engine.plugin._prefill_token._count", lambda result: None)
     for kind in (DELTA, FINAL):
         top = {"k": 1, "top": [[9, -0.25, 1], [3, -2.0, 2]]}
         outs = _run(Engine(), Params(output_kind=kind, logprobs=1), 9, top)
@@ -213,7 +214,7 @@ def test_token_ones_logprobs_from_prefill_lead_the_answers(monkeypatch: pytest.M
 
 def test_a_refused_or_absent_token_leaves_the_request_as_it_came(monkeypatch: pytest.MonkeyPatch) -> None:
     counted: list[str] = []
-    monkeypatch.setattr("agentkv.server._prefill_token._count", counted.append)
+    monkeypatch.setattr("agentkv.server.engine.plugin._prefill_token._count", counted.append)
     cases = [(Params(logprobs=1), 9), (Params(), 7), (Params(output_kind=CUMULATIVE), 9)]
     for params, token in [*cases, (Params(), None), (Params(), True)]:
         engine = Engine()
@@ -228,7 +229,7 @@ def test_a_refused_or_absent_token_leaves_the_request_as_it_came(monkeypatch: py
 def test_a_client_going_away_closes_vllms_generator_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """The serving layer closes the answer's generator when its client disconnects; vLLM aborts the request
     in its generator's cleanup, which must run then, not whenever the garbage collector gets to it."""
-    monkeypatch.setattr("agentkv.server._prefill_token._count", lambda result: None)
+    monkeypatch.setattr("agentkv.server.engine.plugin._prefill_token._count", lambda result: None)
     closed: list[bool] = []
 
     class Aborting(Engine):
@@ -259,7 +260,7 @@ def test_a_vllm_without_the_engine_client_it_wraps_serves_as_shipped_and_says_so
     last token as vLLM ships): the start goes on, with a warning that names the switch."""
     import sys
 
-    from agentkv.server import _prefill_token
+    from agentkv.server.engine.plugin import _prefill_token
 
     monkeypatch.setitem(sys.modules, "vllm.v1.engine.async_llm", None)  # importing it raises ImportError
     with caplog.at_level("WARNING", logger="vllm.agentkv.prefill_token"):

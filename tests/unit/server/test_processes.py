@@ -15,7 +15,7 @@ import pytest
 
 import agentkv
 from agentkv._exceptions import EngineStartError, PortInUseError
-from agentkv.server._launcher import _keep_pinned, free_port, port_in_use, start_router
+from agentkv.server.launch._launcher import _keep_pinned, free_port, port_in_use, start_router
 
 NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing answers
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 tokenizers = pytest.importorskip("tokenizers")
 
-from agentkv.server._tokenizer_cache import TokenizerCache  # noqa: E402
+from agentkv.server.engine.plugin._tokenizer_cache import TokenizerCache  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 NON_SPECIAL_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
@@ -272,7 +272,7 @@ def test_the_plugin_builds_the_cache_from_a_transformers_tokenizer_with_an_unkno
     """What vLLM's renderer holds: a transformers fast tokenizer; its unknown token's id stands for words
     the vocabulary lacks, so it must not count as an added token."""
     transformers = pytest.importorskip("transformers")
-    from agentkv.server import _vllm_plugin
+    from agentkv.server.engine.plugin import _register as _vllm_plugin
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("word"), unk_token="<unk>")
     cache = _vllm_plugin._build(hf, verify=True)
@@ -318,7 +318,7 @@ class _Renderer:
 
 def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_exactly() -> None:
     transformers = pytest.importorskip("transformers")
-    from agentkv.server import _vllm_plugin
+    from agentkv.server.engine.plugin import _register as _vllm_plugin
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("bpe"))
     wrapped = _vllm_plugin._wrap(_Renderer._tokenize_prompt, verify=True)
@@ -346,7 +346,7 @@ def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_e
 
 
 def test_the_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentkv.server import _vllm_plugin
+    from agentkv.server.engine.plugin import _register as _vllm_plugin
 
     for value, mode in (
         ("", None),
@@ -377,7 +377,7 @@ def test_a_detokenizer_primed_with_the_prompt_tail_streams_the_same_text(
     multi-byte characters split over several ids, then arbitrary ids)."""
     from tokenizers.decoders import DecodeStream
 
-    from agentkv.server._vllm_plugin import DEFAULT_PRIME_TOKENS, prompt_tail
+    from agentkv.server.engine.plugin._register import DEFAULT_PRIME_TOKENS, prompt_tail
 
     tok = _tokenizer(kind)
     added = set(tok.get_added_tokens_decoder())
@@ -398,7 +398,7 @@ def test_the_detokenizer_is_built_from_a_request_holding_only_the_prompt_tail() 
     import msgspec
     from tokenizers.decoders import DecodeStream
 
-    from agentkv.server._vllm_plugin import _prime_with_tail
+    from agentkv.server.engine.plugin._register import _prime_with_tail
 
     class Request(msgspec.Struct):
         request_id: str

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from agentkv import EngineVersionError
-from agentkv.server._versions import API_CHECKED, check_versions, engine_version, is_supported
+from agentkv.server.launch._versions import API_CHECKED, check_versions, engine_version, is_supported
 
 
 @pytest.mark.parametrize("version", [*API_CHECKED, "0.29.1", "0.34.0+cu130", "0.33.1rc1", "0.32.0+cpu"])

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from agentkv import EngineVersionError, WarmUpError
-from agentkv.server._warmup import warm_up_pair
+from agentkv.server.launch._warmup import warm_up_pair
 
 P, D, SVC = "http://p:8100", "http://d:8200", "http://d:9200"
 

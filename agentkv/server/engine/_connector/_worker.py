@@ -14,9 +14,9 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from agentkv.server._connector._config import ConnectorSettings
-from agentkv.server._connector._queues import tune_queue_readers
-from agentkv.server._connector._vllm import NixlPullConnectorWorker
+from agentkv.server.engine._connector._config import ConnectorSettings
+from agentkv.server.engine._connector._queues import tune_queue_readers
+from agentkv.server.engine._connector._vllm import NixlPullConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -27,7 +27,14 @@ from agentkv._constants import (
     LEASE_PORT_OFFSET,
 )
 from agentkv._exceptions import ConfigError
-from agentkv.server._launcher import (
+from agentkv.server.engine.plugin import (
+    DEFAULT_PRIME_TOKENS,
+    FORWARDED_IDS_MODES,
+    TOKENIZER_CACHE_MODES,
+    ForwardedIdsMode,
+    TokenizerCacheMode,
+)
+from agentkv.server.launch._launcher import (
     Device,
     Engine,
     EngineSpec,
@@ -36,17 +43,10 @@ from agentkv.server._launcher import (
     kill_group,
     start_router,
 )
-from agentkv.server._versions import check_versions, engine_version
-from agentkv.server._vllm_plugin import (
-    DEFAULT_PRIME_TOKENS,
-    FORWARDED_IDS_MODES,
-    TOKENIZER_CACHE_MODES,
-    ForwardedIdsMode,
-    TokenizerCacheMode,
-)
+from agentkv.server.launch._versions import check_versions, engine_version
 
 if TYPE_CHECKING:
-    from agentkv.server._warmup import WarmUpReport
+    from agentkv.server.launch._warmup import WarmUpReport
 
 __all__ = ["Cluster", "ClusterConfig", "stop_from_state"]
 
@@ -83,7 +83,7 @@ class ClusterConfig:
     # CUDA_VISIBLE_DEVICES per engine, prefills first then decodes ("0", "1" or "0,1" for tensor parallel):
     # without it every engine sees every device and vLLM puts them all on the first.
     gpus: list[str] = field(default_factory=list)
-    tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/_vllm_plugin.py
+    tokenizer_cache: TokenizerCacheMode = "on"  # agentkv/server/engine/plugin/_register.py
     detokenizer_prime_tokens: int = DEFAULT_PRIME_TOKENS  # the same plugin; 0: vLLM's whole-prompt priming
     forwarded_ids: ForwardedIdsMode = "always"  # the same plugin: decode runs the router's forwarded ids
     fast_json: bool = True  # the same plugin: request and answer JSON through msgspec in vLLM's API server
@@ -95,7 +95,7 @@ class ClusterConfig:
     decode_args: list[str] = field(default_factory=list)
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
-    # NIXL's first handshakes (agentkv.server._warmup). A pair that cannot serve them fails the start.
+    # NIXL's first handshakes (agentkv.server.launch._warmup). A pair that cannot serve them fails the start.
     warm_up: bool = True
 
     def __post_init__(self) -> None:
@@ -294,7 +294,7 @@ class Cluster:
 
     def warm_up(self) -> list[WarmUpReport]:
         """Warm every prefill/decode pair (both NIXL directions); raises WarmUpError if one fails."""
-        from agentkv.server._warmup import warm_up_pair  # the router's wire format: imported when used
+        from agentkv.server.launch._warmup import warm_up_pair  # the router's wire format: imported when used
 
         self.warm_ups = [
             warm_up_pair(prefill_url=p.spec.url, decode_url=d.spec.url)

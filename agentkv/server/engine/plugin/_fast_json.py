@@ -1,5 +1,5 @@
 """Request bodies parsed and JSON answers encoded by msgspec instead of the standard library in vLLM's API
-server (part of agentkv's vLLM plugin, `_vllm_plugin`; `AGENTKV_FAST_JSON`).
+server (part of agentkv's vLLM plugin, `agentkv.server.engine.plugin`; `AGENTKV_FAST_JSON`).
 
 Every token-path hop hands vLLM the whole conversation's ids as a JSON list (the prefill hop's `token_ids`,
 or decode's forwarded ids where they are not packed), and starlette's `Request.json`, which FastAPI and

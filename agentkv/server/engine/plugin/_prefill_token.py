@@ -1,5 +1,5 @@
 """Decode starts from the token prefill sampled, as one server would (part of agentkv's vLLM plugin,
-`_vllm_plugin`, switched on by `AGENTKV_PREFILL_TOKEN`).
+`agentkv.server.engine.plugin`, switched on by `AGENTKV_PREFILL_TOKEN`).
 
 In vLLM's P/D, prefill computes the whole prompt and samples token 1, which is thrown away; decode loads all
 of the prompt's KV but its last token's, computes that token again in a decode step (a batch of one-token
@@ -34,7 +34,8 @@ from typing import Any
 
 from agentkv._exceptions import EngineVersionError
 from agentkv._wire import KV_KEY, take_prefill_token
-from agentkv.server._forwarded_ids import extended
+from agentkv.server.engine.plugin._counters import _counters
+from agentkv.server.engine.plugin._forwarded_ids import extended
 
 __all__ = ["install", "refusal"]
 
@@ -136,8 +137,6 @@ def _take_token(params: Any) -> tuple[int | None, Any]:
 
 
 def _count(result: str) -> None:
-    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
-
     if (counters := _counters()) is not None:
         counters.prefill_tokens.labels(result=result).inc()
 

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from agentkv.server._kept_prompts import Kept, KeptPrompts
+from agentkv.server.engine._kept_prompts import Kept, KeptPrompts
 
 __all__ = ["HashReuse", "install", "reusing_hasher"]
 

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens
-from agentkv.server._connector._block_hashes import install as install_hash_reuse
-from agentkv.server._connector._config import ConnectorSettings, decode_tail, offers_decoded
-from agentkv.server._connector._cost import PullCostModel
-from agentkv.server._connector._hashing import (
+from agentkv.server.engine._connector._block_hashes import install as install_hash_reuse
+from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
+from agentkv.server.engine._connector._cost import PullCostModel
+from agentkv.server.engine._connector._hashing import (
     ChainCache,
     decode_loaded_tokens,
     parse_chain,
@@ -29,13 +29,13 @@ from agentkv.server._connector._hashing import (
     tail_fingerprint,
     verified_tokens,
 )
-from agentkv.server._connector._held import HeldCheck
-from agentkv.server._connector._leases import LeaseTable
-from agentkv.server._connector._queues import tune_queue_readers
-from agentkv.server._connector._service import COUNTERS, RetentionService
-from agentkv.server._connector._vllm import NixlPullConnectorScheduler
-from agentkv.server._forwarded_ids import takes_cut_messages, takes_packed_ids
-from agentkv.server._vllm_plugin import forwarded_ids_mode
+from agentkv.server.engine._connector._held import HeldCheck
+from agentkv.server.engine._connector._leases import LeaseTable
+from agentkv.server.engine._connector._queues import tune_queue_readers
+from agentkv.server.engine._connector._service import COUNTERS, RetentionService
+from agentkv.server.engine._connector._vllm import NixlPullConnectorScheduler
+from agentkv.server.engine.plugin import forwarded_ids_mode
+from agentkv.server.engine.plugin._forwarded_ids import takes_cut_messages, takes_packed_ids
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -25,7 +25,7 @@ import httpx
 from agentkv._constants import SERVICE_KEY, SERVICE_TOKEN_ENV, service_headers
 from agentkv._exceptions import WarmUpError
 from agentkv._wire import KV_KEY, decode_body, prefill_body
-from agentkv.server._versions import check_versions, engine_version
+from agentkv.server.launch._versions import check_versions, engine_version
 
 __all__ = ["WarmUpReport", "warm_up_pair"]
 

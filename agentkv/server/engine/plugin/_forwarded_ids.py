@@ -1,5 +1,6 @@
 """Decode takes the prompt's token ids the router forwards instead of rendering the messages again, on vLLM
-releases that predate vLLM's own mechanism for it (part of agentkv's vLLM plugin, `_vllm_plugin`).
+releases that predate vLLM's own mechanism for it (part of agentkv's vLLM plugin,
+`agentkv.server.engine.plugin`).
 
 From vLLM 0.32 on, a chat request whose `kv_transfer_params` carry `prompt_token_ids` (what the prefill stage
 rendered for the same body) skips the chat template and the tokenizer: `_reused_prompt_token_ids` in
@@ -37,7 +38,8 @@ from agentkv._wire import (
     has_non_text_content,
     unpack_ids,
 )
-from agentkv.server._id_lists import IdLists
+from agentkv.server.engine.plugin._counters import _counters
+from agentkv.server.engine.plugin._id_lists import IdLists
 
 __all__ = ["extended", "forwarded_ids", "install", "takes_cut_messages", "takes_packed_ids"]
 
@@ -239,12 +241,6 @@ def extended(ids: list[int], token: int) -> list[int]:
 def _count(form: str) -> None:
     if (counters := _counters()) is not None:
         counters.forwarded_ids.labels(form=form).inc()
-
-
-def _counters() -> Any:
-    from agentkv.server._vllm_plugin import _counters  # the plugin imports this module only when enabled
-
-    return _counters()
 
 
 @functools.cache  # the info route asks on every probe; the installed vLLM does not change under a process

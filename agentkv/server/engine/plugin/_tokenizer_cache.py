@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from agentkv.server._kept_prompts import common_prefix
+from agentkv.server.engine._kept_prompts import common_prefix
 
 __all__ = ["AddedTokenInfo", "CacheStats", "TokenizerCache"]
 

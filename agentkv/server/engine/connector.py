@@ -1,7 +1,7 @@
 """agentkv's vLLM connector, loaded by vLLM through ``kv_connector_module_path``.
 
     --kv-transfer-config '{"kv_connector": "NixlConnector",
-                           "kv_connector_module_path": "agentkv.server.connector", ...}'
+                           "kv_connector_module_path": "agentkv.server.engine.connector", ...}'
 
 The class is named ``NixlConnector`` so vLLM's name-based checks keep treating it as NIXL. It is vLLM's pull
 connector with our scheduler and worker (leases, prefix check, cost-based pulls, CPU fixes); settings are
@@ -14,9 +14,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from agentkv.server._connector._scheduler import AgentKVScheduler
-from agentkv.server._connector._vllm import NixlBaseConnector, NixlPullConnector
-from agentkv.server._connector._worker import AgentKVWorker
+from agentkv.server.engine._connector._scheduler import AgentKVScheduler
+from agentkv.server.engine._connector._vllm import NixlBaseConnector, NixlPullConnector
+from agentkv.server.engine._connector._worker import AgentKVWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -26,8 +26,7 @@ import httpx
 
 from agentkv._constants import SIDE_CHANNEL_BASE_PORT
 from agentkv._exceptions import EngineNotInstalledError, EngineStartError, ModelNotFoundError, PortInUseError
-from agentkv.server._versions import check_versions, installed_version
-from agentkv.server._vllm_plugin import (
+from agentkv.server.engine.plugin import (
     DEFAULT_PRIME_TOKENS,
     ENV_FAST_JSON,
     ENV_FORWARDED_IDS,
@@ -37,6 +36,7 @@ from agentkv.server._vllm_plugin import (
     ForwardedIdsMode,
     TokenizerCacheMode,
 )
+from agentkv.server.launch._versions import check_versions, installed_version
 
 __all__ = [
     "Engine",
@@ -98,7 +98,8 @@ class EngineSpec:
     tool_call_parser: str | None = None
     # vLLM's render and tokens-in routes (`--enable-scale-out`); None: on wherever the installed vLLM has it.
     scale_out: bool | None = None
-    # agentkv's tokenizer cache in vLLM's API server (agentkv/server/_vllm_plugin.py): a prompt extending one
+    # agentkv's tokenizer cache in vLLM's API server (agentkv/server/engine/plugin/_register.py): a prompt
+    # extending one
     # tokenized before costs only its new text; "verify" also tokenizes it whole and compares.
     tokenizer_cache: TokenizerCacheMode = "on"
     # Prime vLLM's incremental detokenizer with the prompt's last N ids, not all of them (same plugin); 0: as
@@ -163,7 +164,7 @@ def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
         "kv_connector_extra_config": extra,
     }
     if spec.use_agentkv_connector:
-        cfg["kv_connector_module_path"] = "agentkv.server.connector"
+        cfg["kv_connector_module_path"] = "agentkv.server.engine.connector"
     if spec.device == "cpu":
         cfg["kv_buffer_device"] = "cpu"
     return cfg

@@ -16,7 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
-from agentkv.server._connector._leases import LeaseTable
+from agentkv.server.engine._connector._leases import LeaseTable
 
 __all__ = ["COUNTERS", "RetentionService", "render_metrics"]
 

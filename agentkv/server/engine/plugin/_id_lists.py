@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from array import array
 
-from agentkv.server._kept_prompts import KeptPrompts
+from agentkv.server.engine._kept_prompts import KeptPrompts
 
 __all__ = ["IdLists"]
 
