@@ -22,6 +22,7 @@ from agentkv._wire import CHAT_PATH, COMPLETIONS_PATH, COUNT_TOKENS_PATH, MESSAG
 from ._backend import BackendPool, BackendState
 from ._book import TurnBook
 from ._conversations import Conversations
+from ._discovery import Discovery, DiscoverySource, source_from_settings
 from ._errors import client_error, error_body, error_response
 from ._health import HealthChecker
 from ._hops import Hops, with_failover
@@ -81,6 +82,7 @@ class _Router:
         settings: RouterSettings,
         transport: httpx.AsyncBaseTransport | None,
         store: ConversationStore | None,
+        discovery: DiscoverySource | None,
     ) -> None:
         self.settings = settings
         self.api_keys = settings.all_api_keys()
@@ -122,6 +124,20 @@ class _Router:
             timeout_s=settings.timeouts.control_s,
         )
         self.health.publish()
+        source = discovery if discovery is not None else source_from_settings(settings)
+        self.discovery = (
+            Discovery(
+                source=source,
+                prefill=self.prefill,
+                decode=self.decode,
+                health=self.health,
+                interval_s=settings.discovery_interval_s,
+                # A drained engine leaves the pool once idle, or after the longest a whole answer may take.
+                drain_s=settings.timeouts.decode_total_s,
+            )
+            if source is not None
+            else None
+        )
 
     def tenant(self, request: Request) -> str:
         return tenant_of(request.headers.get("authorization"), self.api_keys)
@@ -274,22 +290,28 @@ def create_app(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     store: ConversationStore | None = None,
+    discovery: DiscoverySource | None = None,
 ) -> Starlette:
-    """The router as an ASGI app. `transport` and `store` exist for tests and embedding."""
-    router = _Router(settings=settings, transport=transport, store=store)
+    """The router as an ASGI app. `transport`, `store` and `discovery` (a source of engines, in place of the
+    one `settings.discovery` names) exist for tests and embedding."""
+    router = _Router(settings=settings, transport=transport, store=store, discovery=discovery)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        task = None
+        tasks = []
         if settings.health_interval_s > 0:
-            task = asyncio.create_task(router.health.run(settings.health_interval_s))
+            tasks.append(asyncio.create_task(router.health.run(settings.health_interval_s)))
+        if router.discovery is not None:
+            tasks.append(asyncio.create_task(router.discovery.run()))
         try:
             yield
         finally:
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if router.discovery is not None:
+                await router.discovery.source.aclose()
             await router.book.drain()
             await router.client.aclose()
             await router.store.aclose()

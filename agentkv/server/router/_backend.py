@@ -74,6 +74,9 @@ def _ordered(a: Any, b: Any) -> bool:
 class BackendState:
     backend: Backend
     healthy: bool = True
+    # Gone from discovery's view: no new turn is routed here (it stays out of `healthy`) while the turns
+    # already on it finish; health checks leave it alone until discovery removes it or sees it again.
+    draining: bool = False
     outstanding: int = 0
     # Of those, P hops (prompts being computed), not renders: what conditional disaggregation reads.
     prefilling: int = 0
@@ -138,13 +141,15 @@ class _InFlight:
 
 
 class BackendPool:
-    """All backends of one role, by name, in configuration order."""
+    """All backends of one role, by name, in configuration order (discovered ones after them, in the order
+    they joined)."""
 
     def __init__(self, *, backends: list[Backend]) -> None:
         self._states = {b.name: BackendState(backend=b) for b in backends}
 
     def __iter__(self) -> Iterator[BackendState]:
-        return iter(self._states.values())
+        # A snapshot: discovery adds and removes backends between the awaits of whoever iterates.
+        return iter(tuple(self._states.values()))
 
     def __len__(self) -> int:
         return len(self._states)
@@ -154,3 +159,14 @@ class BackendPool:
 
     def healthy(self) -> list[BackendState]:
         return [s for s in self._states.values() if s.healthy]
+
+    def add(self, backend: Backend) -> BackendState:
+        """A backend found at run time: out of rotation until its first health check passes."""
+        if backend.name in self._states:
+            raise ValueError(f"backend {backend.name!r} is already in the pool")
+        state = self._states[backend.name] = BackendState(backend=backend, healthy=False)
+        return state
+
+    def remove(self, name: str) -> BackendState | None:
+        """Forget a backend; turns still running on it keep their state and finish."""
+        return self._states.pop(name, None)

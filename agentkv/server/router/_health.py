@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import httpx
@@ -39,12 +40,22 @@ class HealthChecker:
         self._misses: dict[str, int] = {}
 
     async def check_once(self) -> None:
-        await asyncio.gather(*(self._check(s) for s in (*self._prefill, *self._decode)))
+        await self.check((*self._prefill, *self._decode))
         for state in self._decode:
             if state.healthy:
                 await self.refresh_models(state)
                 break
         self.publish()
+
+    async def check(self, states: Iterable[BackendState]) -> None:
+        """One health check of each of ``states`` (a round, or discovery's new backends), draining ones
+        left out."""
+        await asyncio.gather(*(self._check(s) for s in states if not s.draining))
+        self.publish()
+
+    def forget(self, name: str) -> None:
+        """A backend left the pool: a later one under the same name starts with no misses."""
+        self._misses.pop(name, None)
 
     def publish(self) -> None:
         self._metrics.healthy_backends.labels(role="prefill").set(len(self._prefill.healthy()))
@@ -61,6 +72,8 @@ class HealthChecker:
             ok = False
         # A refused connection means the process is gone: out at once. A slow or failing probe (an engine
         # busy with a long prefill on a loaded host) must fail MISSES_TO_DOWN times in a row first.
+        if state.draining:  # drained by discovery while the probe ran: out of rotation, whatever it said
+            return
         misses = 0 if ok else self._misses.get(state.name, 0) + 1
         self._misses[state.name] = misses
         if not ok and not refused and state.healthy and misses < MISSES_TO_DOWN:
@@ -75,7 +88,8 @@ class HealthChecker:
             # Re-probe every round: a restarted decode has a new engine id, which voids old blocks. Before it
             # counts as healthy again, so no turn that runs meanwhile sees it with the old engine's id.
             await self._leases.probe(state)
-        state.healthy = ok
+        # Discovery may have drained it while the probes ran: it stays out of rotation.
+        state.healthy = ok and not state.draining
         if not ok:
             state.block_size = None  # a restarted engine may come back with another configuration
             state.renders = {}

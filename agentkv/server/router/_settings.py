@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -23,9 +24,15 @@ from agentkv._exceptions import ConfigError
 
 from ._backend import Backend
 
-__all__ = ["PathPolicy", "RouterSettings", "Timeouts"]
+__all__ = ["DiscoveryMode", "PathPolicy", "RouterSettings", "Timeouts", "control_url", "split_host_port"]
 
 PathPolicy = Literal["auto", "always-pd", "always-local"]
+# Where the engine lists come from: the settings (`prefill`, `decode`), a headless Service's DNS records
+# (`prefill_dns`, `decode_dns`) or a Service's EndpointSlices through the Kubernetes API (`*_service`).
+DiscoveryMode = Literal["static", "dns", "kubernetes"]
+_DNS_FIELDS = ("prefill_dns", "decode_dns")
+_KUBERNETES_FIELDS = ("prefill_service", "decode_service", "discovery_namespace")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Timeouts(BaseModel):
@@ -50,6 +57,18 @@ def _split_csv(value: Any) -> Any:
             return json.loads(value)
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+def split_host_port(value: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for an IPv6 literal) as (host, port); ValueError if it is not one."""
+    parts = urlsplit(f"//{value.strip()}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None or port == 0 or parts.path or parts.username is not None:
+        raise ValueError(f"invalid DNS name {value!r}: expected host:port")
+    return parts.hostname, port
 
 
 def _normalise_url(url: str, what: str) -> str:
@@ -92,7 +111,7 @@ class RouterSettings(BaseSettings):
     cut_messages: bool = True
     # On the token path, decode starts from the token prefill sampled instead of computing the prompt's last
     # token again, where its plugin can put that token back at the answer's front
-    # (`agentkv.server._prefill_token`): a P/D answer then computes what one server computes.
+    # (`agentkv.server.engine.plugin._prefill_token`): a P/D answer then computes what one server computes.
     prefill_token: bool = True
     # Off (the default): vLLM's own prefix-cache semantics. Only KV of exactly the same token prefix is reused
     # (token ids checked here, block fingerprints on prefill), including KV decode computed itself: decode
@@ -118,6 +137,18 @@ class RouterSettings(BaseSettings):
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(default=5.0, ge=0)
     store_url: str | None = None
+    # Engines that come and go (docs/deployment.md, "Discovery"): "static" serves `prefill` and `decode` as
+    # given; "dns" re-resolves `prefill_dns` / `decode_dns` ("host:port" of headless Services) every
+    # `discovery_interval_s`; "kubernetes" lists and watches the EndpointSlices of `prefill_service` /
+    # `decode_service` in `discovery_namespace` (default: the router's own). A discovered decode's retention
+    # service is at its port + LEASE_PORT_OFFSET, as for a static decode without `decode_control`.
+    discovery: DiscoveryMode = "static"
+    prefill_dns: str | None = None
+    decode_dns: str | None = None
+    prefill_service: str | None = None
+    decode_service: str | None = None
+    discovery_namespace: str | None = None
+    discovery_interval_s: float = Field(default=5.0, gt=0)
     # Decode's retention-service secret (env AGENTKV_SERVICE_TOKEN, the name the engines read): sent on every
     # lease call. Not a CLI flag, so it never shows in `ps`.
     service_token: SecretStr | None = None
@@ -144,10 +175,7 @@ class RouterSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
-        if not self.prefill:
-            raise ValueError("at least one --prefill URL is required")
-        if not self.decode:
-            raise ValueError("at least one --decode URL is required")
+        self._check_discovery()
         if self.decode_control and len(self.decode_control) != len(self.decode):
             raise ValueError("--decode-control must have one entry per --decode URL")
         if self.exact and self.path_policy == "always-local":
@@ -161,6 +189,39 @@ class RouterSettings(BaseSettings):
         if self.api_keys_file is not None and not self.api_keys_file.is_file():
             raise ValueError(f"api_keys_file {str(self.api_keys_file)!r} does not exist")
         return self
+
+    def _check_discovery(self) -> None:
+        mode = self.discovery
+        for name in (*_DNS_FIELDS, *_KUBERNETES_FIELDS):
+            wanted = "dns" if name in _DNS_FIELDS else "kubernetes"
+            if getattr(self, name) and mode != wanted:
+                raise ValueError(f"{name} is read only with discovery={wanted} (discovery is {mode})")
+        if mode == "static":
+            if not self.prefill:
+                raise ValueError("at least one --prefill URL is required")
+            if not self.decode:
+                raise ValueError("at least one --decode URL is required")
+            return
+        for name in ("prefill", "decode", "decode_control"):
+            if getattr(self, name):
+                raise ValueError(f"discovery={mode} finds the engines itself: leave {name} empty")
+        required = _DNS_FIELDS if mode == "dns" else _KUBERNETES_FIELDS[:2]
+        for name in required:
+            if not getattr(self, name):
+                raise ValueError(f"discovery={mode} needs {name}")
+        prefill, decode = (getattr(self, name) for name in required)
+        if prefill == decode:
+            raise ValueError(f"{required[0]} and {required[1]} name the same engines: one serves one role")
+        if mode == "dns":
+            for name in _DNS_FIELDS:
+                split_host_port(getattr(self, name))
+            return
+        for name in _KUBERNETES_FIELDS:
+            value = getattr(self, name)
+            # Kubernetes' own rule for Service and namespace names (a DNS label); it also keeps the label
+            # selector the names go into well formed.
+            if value and not _DNS_LABEL.fullmatch(value):
+                raise ValueError(f"invalid {name} {value!r}: expected a DNS label (a-z, 0-9, '-')")
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides: Any) -> RouterSettings:
@@ -212,13 +273,14 @@ class RouterSettings(BaseSettings):
                     name=f"d{i}",
                     role="decode",
                     url=url,
-                    control_url=_normalise_url(control, "decode control") if control else _control(url),
+                    control_url=_normalise_url(control, "decode control") if control else control_url(url),
                 )
             )
         return prefill, decode
 
 
-def _control(url: str) -> str:
+def control_url(url: str) -> str:
+    """Decode's retention service where none is configured: its HTTP port + LEASE_PORT_OFFSET, same host."""
     parts = urlsplit(url)
     port = parts.port or (443 if parts.scheme == "https" else 80)
     host = parts.hostname or "127.0.0.1"
