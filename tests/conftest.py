@@ -1,10 +1,34 @@
-"""Suite-wide: lines a test wants in the run's output (pytest hides a passing test's prints)."""
+"""Suite-wide: the property tests' profile, and lines a test wants in the run's output (pytest hides a passing
+test's prints).
+
+Property tests run the `ci` profile unless `HYPOTHESIS_PROFILE` names another: derandomized (the examples
+follow from the test's code, not from a random seed), no example database (a failure found once on one
+machine is not replayed there alone), a bounded count and no per-example deadline (a slow machine is not a
+failure). So a run's verdict depends on the code, not on the draw. To search much further, by hand:
+
+    HYPOTHESIS_PROFILE=thorough python3 -m pytest -p no:cacheprovider tests/unit
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,
+    max_examples=100,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+# Random draws, many more of them, and the local example database, so a failure found is replayed next time.
+settings.register_profile("thorough", max_examples=5000, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 PLUGIN = "agentkv-summary"
 

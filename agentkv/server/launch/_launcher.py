@@ -36,7 +36,7 @@ from agentkv.server.engine.plugin import (
     ForwardedIdsMode,
     TokenizerCacheMode,
 )
-from agentkv.server.launch._versions import check_versions, installed_version
+from agentkv.server.launch._versions import check_torch_companions, check_versions, installed_version
 
 __all__ = [
     "Engine",
@@ -321,6 +321,7 @@ class Engine:
         if importlib.util.find_spec("vllm") is None:
             extra = "cpu" if self.spec.device == "cpu" else "gpu"
             raise EngineNotInstalledError(f"vLLM is not installed: pip install 'agentkv[{extra}]'")
+        check_torch_companions()
         installed = installed_version()
         if installed is not None:
             check_versions({self.name: installed})

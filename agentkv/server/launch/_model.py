@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agentkv._exceptions import EngineNotInstalledError
+from agentkv.server.launch._versions import check_torch_companions
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -139,13 +140,14 @@ def _corpus(seed: int, n_lines: int = 6000) -> list[str]:
 def make_tiny_model(out_dir: str | Path, *, spec: TinyModelSpec | None = None) -> Path:
     """Write config, bf16 safetensors weights, tokenizer and chat template to ``out_dir``."""
     spec = spec or TinyModelSpec()
+    check_torch_companions()
     try:
         import torch
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise EngineNotInstalledError(
-            f"building the tiny model needs torch, tokenizers and transformers ({exc.name} is missing): "
+            f"building the tiny model needs torch, tokenizers and transformers ({exc}): "
             "pip install 'agentkv[cpu]'"
         ) from exc
 

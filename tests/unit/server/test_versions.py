@@ -54,3 +54,48 @@ def test_engine_version_reads_vllms_answer() -> None:
     answer = httpx.Response(200, json={"version": "0.32.0"})
     with httpx.Client(transport=httpx.MockTransport(lambda _: answer)) as http:
         assert engine_version(http, "http://e:1") == "0.32.0"
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, dists: dict[str, str]) -> None:
+    from agentkv.server.launch import _versions
+
+    def version(name: str) -> str:
+        if name not in dists:
+            raise _versions.metadata.PackageNotFoundError(name)
+        return dists[name]
+
+    monkeypatch.setattr(_versions.metadata, "version", version)
+
+
+@pytest.mark.parametrize(
+    "dists",
+    [
+        {"torch": "2.13.0+cpu"},
+        {"torch": "2.13.0+cpu", "torchvision": "0.28.0+cpu"},
+        {"torch": "2.13.0", "torchvision": "0.28.0"},  # CUDA torch with its CUDA companions
+        {},
+    ],
+)
+def test_torch_companions_that_load_pass(monkeypatch: pytest.MonkeyPatch, dists: dict[str, str]) -> None:
+    from agentkv.server.launch._versions import check_torch_companions
+
+    _installed(monkeypatch, dists)
+    check_torch_companions()
+
+
+def test_a_cuda_torchvision_beside_a_cpu_torch_says_what_to_uninstall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What `pip install 'agentkv[cpu]'` brings from PyPI: the error names the package and the command."""
+    from agentkv import EngineNotInstalledError
+    from agentkv.server.launch._model import make_tiny_model
+    from agentkv.server.launch._versions import check_torch_companions
+
+    _installed(monkeypatch, {"torch": "2.13.0+cpu", "torchvision": "0.28.0", "torchaudio": "2.13.0+cpu"})
+    with pytest.raises(
+        EngineNotInstalledError, match=r"torchvision 0\.28\.0 .*pip uninstall -y torchvision"
+    ) as e:
+        check_torch_companions()
+    assert "torchaudio" not in str(e.value).split("pip uninstall")[0]
+    with pytest.raises(EngineNotInstalledError, match="pip uninstall -y torchvision"):
+        make_tiny_model("/nonexistent/never-written")
