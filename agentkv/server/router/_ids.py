@@ -127,7 +127,7 @@ def _loads(raw: bytes) -> Any:
 
 
 _MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-# Every top-level field `parse_body` type-checks, on some endpoint; any other field passes to the engine as is.
+# Every top-level field `parse_body` type-checks on some endpoint; others pass to the engine as they are.
 CHECKED_FIELDS = frozenset(
     {
         "messages",
