@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from agentkv._constants import DEFAULT_IDLE_LIMIT_S, DEFAULT_LEASE_S, DEFAULT_MAX_LEASE_S, VLLM_FIXED_TTL_S
+from bench._common import summarize
 from bench._fake_vllm import DECLINE_MARGIN_S
+from bench._retention_tiers import KV_SHAPE_8B, KvShape, Tier, TierStore, kv_bytes_per_block
 from bench._trace import Conversation
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "Policy",
     "Scenario",
     "ScriptedTurn",
+    "TierConfig",
     "bounds",
     "replay",
     "script_scenario",
@@ -137,6 +140,7 @@ class Scenario:
     # The SDK stops heartbeating once an agent has been idle this long (Session's heartbeat_idle_limit_s);
     # its lease then runs out within lease_s. None: heartbeat for as long as the agent lives.
     heartbeat_idle_limit_s: float | None = DEFAULT_IDLE_LIMIT_S
+    tiers: TierConfig | None = None  # policy "tiered" only
 
 
 @dataclass(kw_only=True)
@@ -179,12 +183,46 @@ def script_scenario(conversations: list[Conversation], scenario: Scenario) -> li
     return scripts
 
 
+@dataclass(frozen=True, kw_only=True)
+class TierConfig:
+    """Tiers under the lease (policy ``tiered``): HBM (``Scenario.capacity_blocks``), pinned host memory,
+    local disk. Placement, demotion and restores: ``bench._retention_tiers``."""
+
+    host_blocks: int = 0  # 0: no host tier
+    disk_blocks: int | None = 0  # 0: no disk tier; None: unbounded
+    # When an entry moves down from HBM: "pressure" (to make room for a new retention: lazily, by eviction
+    # order), "idle" (idle for ``idle_s`` in HBM) and/or "tool" (the SDK says a tool call started; the trace
+    # has no tool marks, so every gap after a turn is taken as tool time).
+    demote_on: frozenset[str] = frozenset({"pressure", "idle", "tool"})
+    idle_s: float = 10.0
+    evict_when_full: bool = (
+        False  # False: a retention with no room anywhere is refused (the connector's rule)
+    )
+    host_gbps: float = (
+        55.5  # host -> HBM, measured on an H100 host (PCIe Gen5 x16); HBM -> host assumed equal
+    )
+    disk_gbps: float = 6.0  # assumed (one NVMe), not measured
+    kv_shape: KvShape = KV_SHAPE_8B  # bytes per block follow from it and Scenario.block_size
+
+    def tiers(self, hbm_blocks: int | None) -> list[Tier]:
+        tiers = [Tier(name="hbm", capacity_blocks=hbm_blocks)]
+        if self.host_blocks:
+            tiers.append(Tier(name="host", capacity_blocks=self.host_blocks, gbps=self.host_gbps))
+        if self.disk_blocks != 0:
+            tiers.append(Tier(name="disk", capacity_blocks=self.disk_blocks, gbps=self.disk_gbps))
+        return tiers
+
+
+_DEMOTE_TRIGGERS = frozenset({"pressure", "idle", "tool"})
+
+
 @dataclass
 class _Entry:
     start: float
     tokens: int
     blocks: int
     deadline: float
+    reading: bool = False  # a turn is restoring it from a lower tier: kept until the read ends
 
 
 @dataclass
@@ -202,6 +240,15 @@ class _Stats:
     heartbeats: int = 0
     peak_blocks: int = 0
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (time, retained blocks)
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
+    # Why a later turn missed: its previous turn was never retained (no room), its retention had expired
+    # (or was within prefill's decline margin of expiry), or it was evicted from the last tier.
+    misses: dict[str, int] = field(default_factory=lambda: {"never_retained": 0, "expired": 0, "evicted": 0})
+    ttft_s: list[float] = field(default_factory=list)  # every turn
+    ttft_continuation_s: list[float] = field(default_factory=list)  # turns after the first
+    tier_timeline: list[tuple[float, ...]] = field(default_factory=list)  # (time, blocks per tier...)
+    # Restores that took longer than recomputing the reused tokens would have (per-token prefill model).
+    slow_restores: int = 0
 
 
 def _retained_size(spec: ScriptedTurn, scenario: Scenario) -> tuple[int, int]:
@@ -210,8 +257,19 @@ def _retained_size(spec: ScriptedTurn, scenario: Scenario) -> tuple[int, int]:
     return tokens, math.ceil(tokens / scenario.block_size)
 
 
-def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name: str) -> dict[str, Any]:
-    """Replay every script against one policy; returns block-seconds, hit rate and counters."""
+def replay(
+    scripts: list[ScriptedConversation],
+    scenario: Scenario,
+    policy_name: str,
+    *,
+    audit: Callable[[str, float, TierStore], None] | None = None,
+) -> dict[str, Any]:
+    """Replay every script against one policy; returns block-seconds, hit rate and counters.
+
+    Policies: ``fixed`` (vLLM's pin), ``lease`` (the LeaseTable with its own cap), ``lease-evict`` and
+    ``tiered`` (the uncapped LeaseTable decides how long, ``scenario.tiers`` where). ``audit`` is called
+    after every event with the tier store (which then keeps a log of every placement change).
+    """
     now = 0.0
 
     def clock() -> float:
@@ -221,21 +279,48 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
     # "lease-evict": the alternative to the connector's cap that was measured and not shipped; the table runs
     # uncapped and the replay evicts the longest-retained leases (releasing them) to admit each new one.
     evict = policy_name == "lease-evict"
-    if policy_name in ("lease", "lease-evict"):
+    tiered = policy_name == "tiered"
+    config = scenario.tiers if tiered else None
+    if tiered and config is None:
+        raise ValueError("policy 'tiered' needs scenario.tiers")
+    if config is not None and not config.demote_on <= _DEMOTE_TRIGGERS:
+        raise ValueError(
+            f"demote_on must be within {sorted(_DEMOTE_TRIGGERS)}, got {sorted(config.demote_on)}"
+        )
+    if policy_name in ("lease", "lease-evict", "tiered"):
         policy = HeartbeatLease(
             lease_s=scenario.lease_s,
             max_lease_s=scenario.max_lease_s,
             clock=clock,
-            capacity_blocks=None if evict else scenario.capacity_blocks,
+            capacity_blocks=None if evict or tiered else scenario.capacity_blocks,
         )
         if evict:
             policy.name += ", evict oldest"
     else:
         policy = FixedTTL(ttl_s=scenario.ttl_s, clock=clock, capacity_blocks=scenario.capacity_blocks)
-    stats = _Stats()
+    if config is not None:
+        store = TierStore(
+            tiers=config.tiers(scenario.capacity_blocks),
+            bytes_per_block=kv_bytes_per_block(config.kv_shape, scenario.block_size),
+            evict_when_full=config.evict_when_full,
+            log=audit is not None,
+        )
+        policy.name += ", tiers " + "+".join(t.name for t in store.tiers)
+    else:
+        # The other policies apply their own cap; the store only accounts their (HBM) block-seconds.
+        store = TierStore(
+            tiers=[Tier(name="hbm", capacity_blocks=None)],
+            bytes_per_block=kv_bytes_per_block(KV_SHAPE_8B, scenario.block_size),
+            log=audit is not None,
+        )
+    demote_on = config.demote_on if config is not None else frozenset()
+    idle_s = config.idle_s if config is not None else 0.0
+    stats = _Stats(hits_by_tier={tier.name: 0 for tier in store.tiers})
     live: dict[str, _Entry] = {}
     retained_of: dict[int, str] = {}  # conversation -> request id decode holds for it
     idle_since: dict[int, float] = {}  # conversation -> when its last turn finished
+    evicted_ids: set[str] = set()
+    reading_of: dict[int, str] = {}  # conversation -> request id its current turn is restoring
     events: list[tuple[float, int, str, int, int]] = []  # (time, seq, kind, conversation, turn)
     seq = 0
 
@@ -246,11 +331,16 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
 
     def settle(request_id: str, end: float, counter: str) -> None:
         entry = live.pop(request_id)
-        stats.block_seconds += entry.blocks * max(0.0, min(end, entry.deadline) - entry.start)
+        # A read holds its blocks until it ends, whatever the lease says; anything else ends at its deadline.
+        until = end if entry.reading else min(end, entry.deadline)
+        stats.block_seconds += entry.blocks * max(0.0, until - entry.start)
+        if request_id in store:
+            store.remove(request_id, max(until, entry.start))
         setattr(stats, counter, getattr(stats, counter) + 1)
 
     def sweep() -> int:
-        for request_id in [rid for rid, entry in live.items() if entry.deadline <= now]:
+        # Expired leases go first: they free their blocks in every tier before anything is demoted or refused.
+        for request_id in [rid for rid, entry in live.items() if entry.deadline <= now and not entry.reading]:
             settle(request_id, now, "expired")
         return sum(entry.blocks for entry in live.values())
 
@@ -275,21 +365,45 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         elif kind == "arrive":
             spec = script.turns[turn]
             reused = 0
+            wait = 0.0
             if turn > 0:
                 stats.continuation_turns += 1
                 remaining = None if request_id is None else policy.remaining(request_id)
                 if request_id is not None and remaining is not None and remaining > DECLINE_MARGIN_S:
                     stats.hits += 1
                     reused = min(live[request_id].tokens, spec.input_length)
+                    tier = store.tier_of(request_id)
+                    assert tier is not None, request_id
+                    stats.hits_by_tier[store.tiers[tier].name] += 1
+                    # Promotion on the next turn: the read restores the blocks from their tier first.
+                    wait = store.start_read(request_id, now)
+                    if wait > reused * scenario.prefill_us_per_token / 1e6:
+                        stats.slow_restores += 1
+                elif request_id is None:
+                    stats.misses["never_retained"] += 1
+                elif request_id in evicted_ids:
+                    stats.misses["evicted"] += 1
+                else:
+                    stats.misses["expired"] += 1
                 if request_id is not None and request_id in live and remaining is not None:
                     policy.read(request_id)  # one read (or a recompute notification) frees D's request
-                    settle(request_id, now, "read")
+                    if wait > 0:
+                        live[request_id].reading = True
+                        reading_of[conversation] = request_id
+                        push(now + wait, "read-done", conversation, turn)
+                    else:
+                        settle(request_id, now, "read")
                 retained_of.pop(conversation, None)
             stats.prompt_tokens += spec.input_length
             stats.reused_tokens += reused
-            service = (spec.input_length - reused) * scenario.prefill_us_per_token / 1e6
-            service += spec.output_length * scenario.itl_ms / 1000
-            push(now + service, "finish", conversation, turn)
+            # Modelled TTFT: the restore (link wait + copy), then prefill of the tokens not reused.
+            ttft = wait + (spec.input_length - reused) * scenario.prefill_us_per_token / 1e6
+            stats.ttft_s.append(ttft)
+            if turn > 0:
+                stats.ttft_continuation_s.append(ttft)
+            push(now + ttft + spec.output_length * scenario.itl_ms / 1000, "finish", conversation, turn)
+        elif kind == "read-done":
+            settle(reading_of.pop(conversation), now, "read")
         elif kind == "finish":
             spec = script.turns[turn]
             tokens, blocks = _retained_size(spec, scenario)
@@ -301,8 +415,21 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
                         break
                     policy.close(victim)
                     in_use -= live[victim].blocks
+                    evicted_ids.add(victim)
                     settle(victim, now, "evicted")
-            deadline = policy.add(new_id, tokens, blocks, in_use)
+            if tiered:
+                placed, victims = store.admit(new_id, blocks, now, make_room="pressure" in demote_on)
+                for victim in victims:  # evict_when_full: dropped from the last tier, its lease released
+                    policy.close(victim)
+                    in_use -= live[victim].blocks
+                    evicted_ids.add(victim)
+                    settle(victim, now, "evicted")
+                deadline = policy.add(new_id, tokens, blocks, in_use) if placed else 0.0
+            else:
+                deadline = policy.add(new_id, tokens, blocks, in_use)
+                if deadline:
+                    store.admit(new_id, blocks, now, make_room=False)
+            last_turn = turn == len(script.turns) - 1
             if not deadline:
                 stats.refused += 1  # no room: decode frees the blocks instead of retaining them
             else:
@@ -310,8 +437,14 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
                 retained_of[conversation] = new_id
                 stats.peak_blocks = max(stats.peak_blocks, in_use + blocks)
                 stats.timeline.append((now, in_use + blocks))
+                # A closing agent's last turn starts no tool call; every other turn (a vanishing agent's last
+                # included: it vanishes during its tool call) is followed by tool time.
+                if "tool" in demote_on and not (last_turn and not script.vanishes):
+                    store.demote(new_id, now)
+                if "idle" in demote_on:
+                    push(now + idle_s, "idle", conversation, turn)
+                stats.tier_timeline.append((now, *(store.used(t) for t in range(len(store.tiers)))))
             idle_since[conversation] = now
-            last_turn = turn == len(script.turns) - 1
             if not last_turn:
                 push(now + script.turns[turn + 1].gap_s, "arrive", conversation, turn + 1)
                 if conversation in retained_of:
@@ -319,13 +452,24 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
             elif not script.vanishes:
                 push(now, "close", conversation, turn)
             # else: a vanished agent sends nothing more; its retention runs out on its own.
+        elif kind == "idle":
+            idle_id = f"c{conversation}t{turn}"
+            if idle_id in live and store.tier_of(idle_id) == 0:
+                sweep()
+                if idle_id in live:
+                    store.demote(idle_id, now)
         elif kind == "close" and request_id is not None and request_id in live:
             if policy.close(request_id):
                 settle(request_id, now, "released")
             retained_of.pop(conversation, None)
+        if audit is not None:
+            audit(kind, now, store)
     now = math.inf
     for request_id in list(live):
         settle(request_id, live[request_id].deadline, "expired")
+    tiers: dict[str, dict[str, Any]] = store.summary()
+    for per_tier in tiers.values():
+        per_tier["restore_ms"] = summarize(per_tier["restore_ms"])
     return {
         "policy": policy.name,
         "block_seconds": stats.block_seconds,
@@ -340,7 +484,14 @@ def replay(scripts: list[ScriptedConversation], scenario: Scenario, policy_name:
         "read": stats.read,
         "heartbeats": stats.heartbeats,
         "peak_blocks": stats.peak_blocks,
+        "hits_by_tier": stats.hits_by_tier,
+        "slow_restores": stats.slow_restores,
+        "misses": stats.misses,
+        "ttft_s": summarize(stats.ttft_s),
+        "ttft_continuation_s": summarize(stats.ttft_continuation_s),
+        "tiers": tiers,
         "timeline": stats.timeline,
+        "tier_timeline": stats.tier_timeline,
     }
 
 
