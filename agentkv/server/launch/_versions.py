@@ -18,6 +18,7 @@ from importlib import metadata
 import httpx
 
 from agentkv._exceptions import EngineNotInstalledError, EngineVersionError
+from agentkv.server.engine.internals import API_CHECKED
 
 __all__ = [
     "API_CHECKED",
@@ -29,7 +30,6 @@ __all__ = [
     "is_supported",
 ]
 
-API_CHECKED = ("0.26.0", "0.32.0", "0.33.0", "0.34.0")
 SUPPORTED = ((0, 26), (0, 35))  # [first, end) as (major, minor): what the extras in pyproject.toml admit
 _RELEASE = re.compile(r"^v?(\d+)\.(\d+)(?:\.\d+)*")
 
