@@ -16,7 +16,8 @@ if out=$("$work/venv/bin/agentkv" model tiny "$work/model" 2>&1); then
   exit 0
 fi
 echo "$out" >&2
-fix=$(grep -o "pip uninstall -y [a-z ]*" <<<"$out" | head -n 1)
+# The CLI wraps its error to the terminal's width: read it as one line.
+fix=$(tr -s '\n ' '  ' <<<"$out" | grep -o "pip uninstall -y [a-z ]*[a-z]" | head -n 1)
 if [ -z "$fix" ]; then
   echo "check_install: FAILED: agentkv model tiny failed with an error that names no fix" >&2
   exit 1

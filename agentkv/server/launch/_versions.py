@@ -90,8 +90,8 @@ def check_torch_companions() -> None:
             clashing.append(f"{name} {version}")
     if clashing:
         raise EngineNotInstalledError(
-            f"{', '.join(clashing)} (PyPI's CUDA build) is installed beside torch {torch}, and transformers "
-            f"cannot import a model with it; a text model needs none of them: "
+            f"{', '.join(clashing)} (PyPI's builds for a CUDA torch) beside torch {torch}: transformers "
+            f"cannot import a model with them, and a text model needs none of them: "
             f"pip uninstall -y {' '.join(_COMPANIONS)}"
         )
 
