@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens
 from agentkv.server.engine._connector._block_hashes import install as install_hash_reuse
+from agentkv.server.engine._connector._cached import CachedPrompts, calling_scheduler, pool_lookup
 from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server.engine._connector._cost import PullCostModel
 from agentkv.server.engine._connector._hashing import (
@@ -115,6 +116,16 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 clock=time.perf_counter,
                 capacity_blocks=self.agentkv.retention_capacity(int(kv_cache_config.num_blocks)),
             )
+        # Decode: block hashes of its finished requests, so the router can ask how much of a conversation
+        # its prefix cache still holds once no lease does (declined at the cap, or run out). As many blocks
+        # as decode has: more could not be cached at once. One KV cache group only: vLLM's hashes are then
+        # at our block size.
+        self.cached: CachedPrompts | None = None
+        if self.is_decode and len(kv_cache_config.kv_cache_groups) == 1:
+            self.cached = CachedPrompts(
+                block_size=self.block_size, max_blocks=int(kv_cache_config.num_blocks)
+            )
+        self._pool_searched = False
         self.service: RetentionService | None = None
         # One secret for this engine's own service and for the still-held calls it makes to decodes.
         token = os.environ.get(SERVICE_TOKEN_ENV) or None
@@ -129,6 +140,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 port=self.agentkv.service_port,
                 info=self._info,
                 token=token,
+                cached=self.cached,
             )
             self.service.start()
 
@@ -316,7 +328,24 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 self._reqs_need_send[request.request_id] = deadline
                 params["remote_blocks_expiry_time"] = deadline
             self.stats["retained" if retained else "not_retained"] += 1
+        if self.cached is not None:
+            self._keep_hashes(request)
         return delay, params
+
+    def _keep_hashes(self, request: Request) -> None:
+        """Remember a finished request's vLLM block hashes (see `CachedPrompts`)."""
+        assert self.cached is not None
+        if not self._pool_searched:
+            # The pool is vLLM's scheduler's, which builds it after this connector: found on the first call
+            # from it (request_finished is one).
+            self._pool_searched = True
+            self.cached.lookup = pool_lookup(calling_scheduler())
+            if self.cached.lookup is None:
+                logger.info("agentkv: vLLM's block pool not found; decode cannot say what it still caches")
+        keys: Any = getattr(request, "block_hashes", None)
+        # At our block size only (one hash per block of the request's tokens so far, or fewer).
+        if keys and len(keys) <= request.num_tokens // self.block_size:
+            self.cached.keep(request.request_id, keys)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         if self.leases is not None:

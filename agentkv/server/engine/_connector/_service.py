@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import unquote
 
+from agentkv.server.engine._connector._cached import CachedPrompts
 from agentkv.server.engine._connector._leases import LeaseTable
 
 __all__ = ["COUNTERS", "RetentionService", "render_metrics"]
@@ -75,8 +76,10 @@ class RetentionService:
         port: int,
         info: Callable[[], dict[str, Any]],
         token: str | None = None,
+        cached: CachedPrompts | None = None,
     ) -> None:
         self.table = table
+        self.cached = cached
         self._info = info
         self._expected = f"Bearer {token}".encode() if token else None
         handler = type("_Handler", (_Handler,), {"service": self})
@@ -121,6 +124,12 @@ class RetentionService:
             case "GET", ["retained", rid]:
                 found = self.table.lookup(rid)
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
+            case "GET", ["cached", rid]:
+                # What decode's prefix cache still holds of a finished request's tokens (`CachedPrompts`).
+                n = self.cached.cached_tokens(rid) if self.cached is not None else None
+                if n is None:
+                    return 404, {"error": f"no cached blocks known for {rid}"}
+                return 200, {"request_id": rid, "cached_tokens": n}
             case "POST", ["leases", rid, "renew"]:
                 duration = body.get("duration_s")
                 if duration is not None and not isinstance(duration, int | float):

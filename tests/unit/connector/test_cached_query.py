@@ -1,0 +1,115 @@
+"""Decode's answer to "how much of this finished request does your prefix cache still hold"."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import pytest
+
+from agentkv.server.engine._connector._cached import CachedPrompts, calling_scheduler, pool_lookup
+from agentkv.server.engine._connector._leases import LeaseTable
+from agentkv.server.engine._connector._service import RetentionService
+
+BLOCK = 4
+
+
+def _service(cached: CachedPrompts | None) -> RetentionService:
+    table = LeaseTable(lease_s=1, max_lease_s=1, clock=lambda: 0.0)
+    return RetentionService(table=table, host="127.0.0.1", port=0, info=dict, cached=cached)
+
+
+def test_counts_leading_cached_blocks_only() -> None:
+    pool = {b"a", b"b", b"d"}
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=100)
+    cached.lookup = pool.__contains__
+    cached.keep("chatcmpl-r1-0", [b"a", b"b", b"c", b"d"])
+    # "c" was evicted: "d" behind it cannot be reused by a prefix cache.
+    assert cached.cached_tokens("chatcmpl-r1-0") == 2 * BLOCK
+    assert cached.cached_tokens("r1") == 2 * BLOCK  # the router's id, as vLLM wraps it
+    pool.clear()
+    assert cached.cached_tokens("r1") == 0
+    assert cached.cached_tokens("r2") is None
+
+
+def test_unknown_without_a_pool() -> None:
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=100)
+    cached.keep("r1", [b"a"])
+    assert cached.cached_tokens("r1") is None
+
+
+def test_keeps_at_most_max_blocks_oldest_out() -> None:
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=5)
+    cached.lookup = lambda h: True
+    cached.keep("r1", [1, 2, 3])
+    cached.keep("r2", [4, 5])
+    assert cached.cached_tokens("r1") == 3 * BLOCK
+    cached.keep("r3", [6])  # 6 blocks: r1 goes
+    assert cached.cached_tokens("r1") is None
+    assert cached.cached_tokens("r2") == 2 * BLOCK and cached.cached_tokens("r3") == BLOCK
+    cached.keep("r2", [4, 5, 7])  # kept again: replaced, not counted twice
+    assert len(cached) == 2 and cached.cached_tokens("r2") == 3 * BLOCK
+
+
+def test_a_lookup_that_fails_midway_reports_what_it_counted() -> None:
+    def lookup(h: Any) -> bool:
+        if h == 3:
+            raise RuntimeError("dictionary changed size during iteration")
+        return True
+
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=10)
+    cached.lookup = lookup
+    cached.keep("r1", [1, 2, 3, 4])
+    assert cached.cached_tokens("r1") == 2 * BLOCK
+
+
+def test_service_route() -> None:
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=10)
+    cached.lookup = lambda h: h != 2
+    cached.keep("chatcmpl-r1-0", [1, 2])
+    svc = _service(cached)
+    assert svc.handle("GET", "/agentkv/v1/cached/r1", {}) == (
+        200,
+        {"request_id": "r1", "cached_tokens": BLOCK},
+    )
+    assert svc.handle("GET", "/agentkv/v1/cached/r9", {})[0] == 404
+    assert _service(None).handle("GET", "/agentkv/v1/cached/r1", {})[0] == 404  # prefill: no such query
+
+
+def test_finds_the_scheduler_that_calls_and_its_pool() -> None:
+    pool = types.SimpleNamespace(get_cached_block=lambda h, groups: [object()] if h == b"x" else None)
+    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=pool))
+
+    class Fake:
+        kv_cache_manager = scheduler.kv_cache_manager
+
+        def finish(self) -> Any:
+            return calling_scheduler()
+
+    assert calling_scheduler() is None
+    found = Fake().finish()
+    assert isinstance(found, Fake)
+    lookup = pool_lookup(found)
+    assert lookup is not None and lookup(b"x") and not lookup(b"y")
+    assert pool_lookup(types.SimpleNamespace()) is None
+
+
+def test_real_block_pool_forgets_evicted_blocks() -> None:
+    """vLLM's own pool: freed blocks stay cached until a new allocation takes them."""
+    block_pool = pytest.importorskip("vllm.v1.core.block_pool")
+    pool = block_pool.BlockPool(num_gpu_blocks=5, enable_caching=True, hash_block_size=BLOCK)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    request = types.SimpleNamespace(
+        request_id="chatcmpl-r1-0", block_hashes=hashes, lora_request=None, mm_features=[]
+    )
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(request, blocks, 0, 3, BLOCK, 0)
+    scheduler = types.SimpleNamespace(kv_cache_manager=types.SimpleNamespace(block_pool=pool))
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=10)
+    cached.lookup = pool_lookup(scheduler)
+    cached.keep(request.request_id, hashes)
+    assert cached.cached_tokens("r1") == 3 * BLOCK
+    pool.free_blocks(blocks)  # a declined retention: freed, still cached
+    assert cached.cached_tokens("r1") == 3 * BLOCK
+    pool.get_new_blocks(pool.get_num_free_blocks())  # another request needs every free block
+    assert cached.cached_tokens("r1") == 0
