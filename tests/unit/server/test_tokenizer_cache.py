@@ -272,10 +272,10 @@ def test_the_plugin_builds_the_cache_from_a_transformers_tokenizer_with_an_unkno
     """What vLLM's renderer holds: a transformers fast tokenizer; its unknown token's id stands for words
     the vocabulary lacks, so it must not count as an added token."""
     transformers = pytest.importorskip("transformers")
-    from agentkv.server.engine.plugin import _register as _vllm_plugin
+    from agentkv.server.engine.plugin import _register
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("word"), unk_token="<unk>")
-    cache = _vllm_plugin._build(hf, verify=True)
+    cache = _register._build(hf, verify=True)
     assert cache is not None
     messages = [("user", "words the vocabulary lacks: zyzzyva quux")]
     for turn in range(3):
@@ -318,10 +318,10 @@ class _Renderer:
 
 def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_exactly() -> None:
     transformers = pytest.importorskip("transformers")
-    from agentkv.server.engine.plugin import _register as _vllm_plugin
+    from agentkv.server.engine.plugin import _register
 
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=_tokenizer("bpe"))
-    wrapped = _vllm_plugin._wrap(_Renderer._tokenize_prompt, verify=True)
+    wrapped = _register._wrap(_Renderer._tokenize_prompt, verify=True)
     text = _render([("system", "s"), ("user", "u " * 40)])
     longer = _render([("system", "s"), ("user", "u " * 40), ("assistant", "a"), ("tool", "t " * 10)])
     whole = hf(longer, add_special_tokens=False)["input_ids"]
@@ -331,7 +331,7 @@ def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_e
     for t in (text, longer):
         out = wrapped(renderer, {"prompt": t}, plain)
     assert out["prompt_token_ids"] == whole and renderer.original_calls == 0
-    cache = renderer.__dict__[_vllm_plugin._ATTR]
+    cache = renderer.__dict__[_register._ATTR]
     assert cache.stats.hits == 1
     # Truncation that would cut the prompt: vLLM's own path (and its error) decides.
     out = wrapped(
@@ -346,7 +346,7 @@ def test_the_wrapped_renderer_falls_back_to_vllm_where_the_cache_cannot_answer_e
 
 
 def test_the_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentkv.server.engine.plugin import _register as _vllm_plugin
+    from agentkv.server.engine.plugin import _register
 
     for value, mode in (
         ("", None),
@@ -356,8 +356,8 @@ def test_the_plugin_is_inert_unless_asked(monkeypatch: pytest.MonkeyPatch) -> No
         ("1", "on"),
         ("verify", "verify"),
     ):
-        monkeypatch.setenv(_vllm_plugin.ENV_MODE, value)
-        assert _vllm_plugin._mode() == mode
+        monkeypatch.setenv(_register.ENV_MODE, value)
+        assert _register._mode() == mode
 
 
 _texts_unicode = st.lists(
