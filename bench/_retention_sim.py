@@ -12,6 +12,10 @@ What is real and what is simulated (also in bench/README.md):
   which conversations get long tool gaps, heartbeats every ``lease_s / 3`` while an agent is alive and
   idle for less than ``heartbeat_idle_limit_s`` (the SDK's rule).
 * Time is virtual: a run replays the trace's ~17 minutes (plus the tail of retention) in a second or two.
+* Tiers (policy ``tiered``, ``TierConfig``): the same uncapped LeaseTable decides how long a conversation is
+  kept, ``bench._retention_tiers`` where (HBM, pinned host memory, disk); restores cost bytes / bandwidth
+  on a first-come-first-served link and are added to the turn's modelled TTFT (restore + prefill of the
+  tokens not reused).
 """
 
 from __future__ import annotations
@@ -195,12 +199,10 @@ class TierConfig:
     # has no tool marks, so every gap after a turn is taken as tool time).
     demote_on: frozenset[str] = frozenset({"pressure", "idle", "tool"})
     idle_s: float = 10.0
-    evict_when_full: bool = (
-        False  # False: a retention with no room anywhere is refused (the connector's rule)
-    )
-    host_gbps: float = (
-        55.5  # host -> HBM, measured on an H100 host (PCIe Gen5 x16); HBM -> host assumed equal
-    )
+    # False: a retention with no room in any tier is refused (the connector's rule for its HBM cap).
+    evict_when_full: bool = False
+    # Host -> HBM, measured on an H100 host (PCIe Gen5 x16); HBM -> host assumed equal.
+    host_gbps: float = 55.5
     disk_gbps: float = 6.0  # assumed (one NVMe), not measured
     kv_shape: KvShape = KV_SHAPE_8B  # bytes per block follow from it and Scenario.block_size
 
