@@ -473,29 +473,23 @@ def _tier_summary(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _tier_targets(rows: dict[str, Any]) -> dict[str, Any]:
+    """The issue's done-when, from this run's rows: flat ``*_met`` keys, as the other benches write them."""
     hbm_only = rows["HBM-only lease"]["tiers"]["hbm"]["block_seconds"]
-    host_hit = rows["+host"]["hit_rate"]["mean"]
-    disk_hit = rows["+host+disk"]["hit_rate"]["mean"]
     targets: dict[str, Any] = {
-        "host_hit_rate": {
-            "value": host_hit,
-            "goal": f">= {TIER_GOALS['host_hit_rate_min']}",
-            "met": host_hit >= TIER_GOALS["host_hit_rate_min"],
-        },
-        "disk_hit_rate": {
-            "value": disk_hit,
-            "goal": f">= {TIER_GOALS['disk_hit_rate_min']}",
-            "met": disk_hit >= TIER_GOALS["disk_hit_rate_min"],
-        },
+        "host_hit_rate": rows["+host"]["hit_rate"]["mean"],
+        "host_hit_rate_goal": TIER_GOALS["host_hit_rate_min"],
+        "disk_hit_rate": rows["+host+disk"]["hit_rate"]["mean"],
+        "disk_hit_rate_goal": TIER_GOALS["disk_hit_rate_min"],
+        # HBM block-seconds (copies included) over the HBM-only lease's; the goal is a ceiling.
+        "hbm_block_seconds_ratio_host": rows["+host"]["tiers"]["hbm"]["block_seconds"] / hbm_only,
+        "hbm_block_seconds_ratio_host_disk": rows["+host+disk"]["tiers"]["hbm"]["block_seconds"] / hbm_only,
+        "hbm_block_seconds_ratio_goal": TIER_GOALS["hbm_block_seconds_ratio_max"],
     }
-    for name in ("+host", "+host+disk"):
-        ratio = rows[name]["tiers"]["hbm"]["block_seconds"] / hbm_only
-        targets[f"hbm_block_seconds_ratio {name}"] = {
-            "value": ratio,
-            "goal": f"<= {TIER_GOALS['hbm_block_seconds_ratio_max']} of the HBM-only lease's",
-            "met": ratio <= TIER_GOALS["hbm_block_seconds_ratio_max"],
-        }
-    targets["all_met"] = all(t["met"] for t in targets.values())
+    targets["host_hit_rate_met"] = targets["host_hit_rate"] >= targets["host_hit_rate_goal"]
+    targets["disk_hit_rate_met"] = targets["disk_hit_rate"] >= targets["disk_hit_rate_goal"]
+    for key in ("hbm_block_seconds_ratio_host", "hbm_block_seconds_ratio_host_disk"):
+        targets[f"{key}_met"] = targets[key] <= targets["hbm_block_seconds_ratio_goal"]
+    targets["all_met"] = all(v for k, v in targets.items() if k.endswith("_met"))
     return targets
 
 
@@ -570,11 +564,15 @@ def _tier_report(data: dict[str, Any], out: Path) -> None:
             for tier, t in row["tiers"].items()
         ],
     )
-    for name, target in data["targets"].items():
-        if name != "all_met":
-            console.print(
-                f"target {name}: {target['value']:.3f} (goal {target['goal']}): met={target['met']}"
-            )
+    targets = data["targets"]
+    for key, relation, goal in (
+        ("host_hit_rate", ">=", targets["host_hit_rate_goal"]),
+        ("disk_hit_rate", ">=", targets["disk_hit_rate_goal"]),
+        ("hbm_block_seconds_ratio_host", "<=", targets["hbm_block_seconds_ratio_goal"]),
+        ("hbm_block_seconds_ratio_host_disk", "<=", targets["hbm_block_seconds_ratio_goal"]),
+    ):
+        met = "met" if targets[f"{key}_met"] else "not met"
+        console.print(f"{key}: {targets[key]:.3f} (goal {relation} {goal}): {met}")
     main_rows = ["HBM-only lease", "fixed pin", "+host", "+host+disk", "unbounded lease"]
     bar_chart(
         out / "hit_rate_by_tier.png",
