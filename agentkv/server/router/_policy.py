@@ -16,7 +16,7 @@ from agentkv._constants import FINGERPRINTS_KEY
 
 from ._backend import BackendState, Registration
 from ._prefix import Prefix
-from ._tokens import TokenPrefix
+from ._tokens import TokenMatch, TokenPrefix
 
 __all__ = [
     "CostModel",
@@ -27,10 +27,13 @@ __all__ = [
     "choose_decode",
     "choose_path",
     "choose_prefill",
+    "partial_offer",
 ]
 
 Path = Literal["pull", "recompute", "decode-local"]
-ReuseVerdict = Literal["ok", "miss", "expired", "mismatch"]
+# "partial": the prompt does not extend what decode holds but starts with some of its whole blocks, which
+# the turn reuses (decode's offer cut to them); the rest is computed.
+ReuseVerdict = Literal["ok", "partial", "miss", "expired", "mismatch"]
 
 
 def choose_prefill(
@@ -78,11 +81,15 @@ def assess_reuse(
     exact: bool = False,
     tokens: TokenPrefix | None = None,
     prompt_ids: Sequence[int] | None = None,
+    match: TokenMatch | None = None,
 ) -> ReuseVerdict:
     """Whether decode's retained blocks may be offered to P for this request.
 
     With the new prompt's token ids and the held ids' fingerprint the check is on token ids (it sees tools,
-    template kwargs and anything else the chat template renders); otherwise on messages (`prefix`).
+    template kwargs and anything else the chat template renders); otherwise on messages (`prefix`). On ids
+    a prompt that does not extend the held ids but starts with some of their whole blocks is "partial":
+    those blocks are reused, as vLLM's prefix cache reuses every whole block that matches. `match`: the
+    prompt's `TokenPrefix.match`, where the caller has it (it needs the matched count too).
     ``check_prefix=False`` leaves the (token-exact) check to our connector on prefill; it exists to test that
     check through the whole stack and for engines whose chat template rewrites history."""
     if not retained or (prefix is None and tokens is None):
@@ -98,11 +105,19 @@ def assess_reuse(
         return "expired"
     if check_prefix:
         if tokens is not None and prompt_ids is not None:
-            if not tokens.extended_by(prompt_ids):
-                return "mismatch"
+            match = match or tokens.match(prompt_ids)
+            if not match.extends:
+                return "partial" if partial_offer(match, retained) > 0 else "mismatch"
         elif prefix is None or not prefix.matches(body):
             return "mismatch"
     return "ok"
+
+
+def partial_offer(match: TokenMatch, retained: dict[str, object]) -> int:
+    """The tokens of decode's offer a prompt that only partly matches may read: the whole blocks the
+    router proved equal, or up to the first that differs where our connector on prefill checks each
+    offered block against its own fingerprints (decode's offer carries them) and pulls only equal ones."""
+    return match.offer(prefill_verifies=FINGERPRINTS_KEY in retained)
 
 
 # Slope columns of a fit: 0 is the tokens the turn computes, 1 the context it reuses.

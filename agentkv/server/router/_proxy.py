@@ -21,6 +21,7 @@ from agentkv._wire import (
     KV_KEY,
     asked_logprobs,
     cut_messages,
+    cut_offer,
     decode_body,
     decode_local_body,
     prefill_body,
@@ -37,7 +38,7 @@ from ._book import TurnBook
 from ._errors import client_error
 from ._hops import close_quietly, with_failover
 from ._params import strip_kv_json
-from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill
+from ._policy import PathDecision, assess_reuse, choose_decode, choose_path, choose_prefill, partial_offer
 from ._prefix import prompt_chars
 from ._relay import AfterwardsResponse, Relay, RelayResponse
 from ._services import RouterServices
@@ -174,6 +175,12 @@ class TurnRunner:
         if record is not None and decode.name == record.decode:
             if decode.retention is None:
                 await sv.leases.probe(decode)
+            ids = turn.prompt_ids
+            match = (
+                record.tokens.match(ids)
+                if record.tokens and ids is not None and self._s.prefix_guard
+                else None
+            )
             verdict = assess_reuse(
                 retained=record.retained,
                 expires_at=record.expires_at,
@@ -185,15 +192,19 @@ class TurnRunner:
                 check_prefix=self._s.prefix_guard,
                 exact=self._s.exact,
                 tokens=record.tokens,
-                prompt_ids=turn.prompt_ids,
+                prompt_ids=ids,
+                match=match,
             )
+            if verdict == "partial" and match is not None and record.retained is not None:
+                turn.offer_tokens = partial_offer(match, record.retained)
         if not (self._s.reuse and locked):
-            verdict = "miss"
+            verdict, turn.offer_tokens = "miss", None
         if turn.conversation_id is not None:
-            turn.reuse = verdict if verdict != "ok" else "hit"
+            # A partial match reuses decode's blocks as a whole one does (its count says how many).
+            turn.reuse = "hit" if verdict in ("ok", "partial") else verdict
         decision = choose_path(
             policy=self._s.path_policy,
-            reuse_ok=verdict == "ok",
+            reuse_ok=verdict in ("ok", "partial"),
             new_tokens=self._new_tokens(turn, record),
             decode_outstanding=decode.outstanding,
             local_max_tokens=self._s.decode_local_max_tokens,
@@ -201,7 +212,7 @@ class TurnRunner:
             exact=self._s.exact,
             prefill_outstanding=await self._prefill_load(),
             prefill_queue_cap=self._s.prefill_queue_cap,
-            context_tokens=self._held_tokens(record) if verdict == "ok" else 0,
+            context_tokens=self._held_tokens(turn, record) if verdict in ("ok", "partial") else 0,
         )
         book.decided(turn, decision)
         turn.path = decision.path
@@ -262,16 +273,21 @@ class TurnRunner:
                         await asyncio.shield(ended)
 
     @staticmethod
-    def _held_tokens(record: ConversationRecord | None) -> int:
-        """Tokens of the conversation decode holds: those the token path checked, else decode's count."""
+    def _held_tokens(turn: Turn, record: ConversationRecord | None) -> int:
+        """Tokens of the conversation decode holds that this turn may reuse: those a partial match leaves,
+        those the token path checked, else decode's count."""
         if record is None:
             return 0
+        if turn.offer_tokens is not None:
+            return turn.offer_tokens
         return record.tokens.held if record.tokens else record.retained_tokens
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""
         ids = turn.prompt_ids
         if ids is not None:
+            if turn.offer_tokens is not None:
+                return len(ids) - turn.offer_tokens
             return len(ids) - (record.tokens.held if record and record.tokens else 0)
         if record and record.prefix:
             return self._sv.cost.estimate_tokens(record.prefix.new_chars(turn.body))
@@ -287,7 +303,7 @@ class TurnRunner:
                 # holds of this prompt (its prefix cache reads whole blocks of it). `assess` corrects it
                 # where the answer reports cached tokens.
                 ids = turn.prompt_ids
-                held = record.retained_tokens
+                held = record.retained_tokens if turn.offer_tokens is None else turn.offer_tokens
                 turn.reused_tokens = min(held, len(ids)) if ids is not None else held
         try:
             body = decode_local_body(
@@ -311,6 +327,9 @@ class TurnRunner:
     ) -> tuple[httpx.Response, BackendState]:
         sv = self._sv
         retained = record.retained if record is not None and turn.path == "pull" else None
+        if retained is not None and turn.offer_tokens is not None and record is not None and record.tokens:
+            # A partial match: only the leading whole blocks it may read (cut at decode's block size).
+            retained = cut_offer(retained, turn.offer_tokens, record.tokens.block_size)
         rendered = turn.rendered
         if rendered is not None:
             # Tokens in: prefill renders nothing again. Any prefill with the render API takes the ids.

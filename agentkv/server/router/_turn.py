@@ -54,6 +54,9 @@ class Turn:
     prefill_ms: float = 0.0
     ttft_ms: float | None = None
     used_retained: bool = False
+    # Where the prompt starts with only some of decode's whole blocks (a "partial" reuse verdict): the
+    # leading tokens of decode's offer this turn may read; None: the whole offer.
+    offer_tokens: int | None = None
     decode_started: float = 0.0
     # The token path: prefill's render of this body (a vLLM `GenerateRequest`), its ids as uint32s (what the
     # reuse check hashes and decode's packed form carries) and which prefill made it.
