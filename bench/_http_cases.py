@@ -12,6 +12,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from agentkv._constants import BODY_ID_FIELDS
+
 __all__ = ["MAX_BODY_BYTES", "SENTINEL", "answer_problems", "requests", "touches_sentinel"]
 
 MAX_BODY_BYTES = 4096
@@ -103,13 +105,16 @@ requests = st.tuples(
 
 
 def touches_sentinel(content: bytes, headers: dict[str, str], conversation_id: str) -> bool:
-    """Whether a generated request names the sentinel conversation (the runner skips or renames those)."""
+    """Whether a generated request names the sentinel conversation (the runner skips those): in the path, a
+    header, or any body field the router takes a conversation id from (hypothesis draws the code's own
+    string constants, `SENTINEL` among them, for any of them)."""
     if conversation_id == SENTINEL or SENTINEL in headers.values():
         return True
     try:
-        return json.loads(content).get("conversation_id") == SENTINEL
-    except (ValueError, AttributeError):
+        body = json.loads(content)
+    except ValueError:
         return False
+    return isinstance(body, dict) and any(body.get(field) == SENTINEL for field in BODY_ID_FIELDS)
 
 
 def answer_problems(status: int, content_type: str, text: str, sent: bytes) -> list[str]:

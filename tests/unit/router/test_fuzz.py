@@ -5,13 +5,16 @@ checks are bench/_http_cases.py's; ``python -m bench.fuzz`` runs tens of thousan
 from __future__ import annotations
 
 import asyncio
+import json
 import urllib.parse
 from collections import Counter
 from typing import Any
 
 import httpx
+import pytest
 from hypothesis import HealthCheck, given, settings
 
+from agentkv._constants import BODY_ID_FIELDS
 from agentkv.server.router import create_app
 from bench._http_cases import MAX_BODY_BYTES, SENTINEL, answer_problems, requests, touches_sentinel
 
@@ -57,3 +60,12 @@ def test_http_surface_fuzz(report: Any) -> None:
         loop.close()
         report(f"fuzzed the router's HTTP surface with {RAN['cases']} requests, statuses {dict(STATUSES)}")
     assert RAN["cases"] > 100
+
+
+@pytest.mark.parametrize("field", BODY_ID_FIELDS)
+def test_a_case_naming_the_sentinel_in_any_body_id_field_is_skipped(field: str) -> None:
+    """The router takes a conversation id from each of these fields; a case that names the sentinel in one
+    of them would change it (hypothesis draws `SENTINEL`, a constant of the code, for any string)."""
+    assert touches_sentinel(json.dumps({field: SENTINEL}).encode(), {}, "other")
+    assert not touches_sentinel(json.dumps({field: "other"}).encode(), {}, "other")
+    assert not touches_sentinel(b"\xff not json", {}, "other")
