@@ -134,6 +134,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
         },
     ),
     ("4p2d", {"prefill": {"tensorParallelSize": 4, "ports": {"http": 8300, "nixl": 5800}}}),
+    ("1p1d", {"decode": {"extraKvConfig": {"kv_note": 'it\'s "quoted"'}}}),  # quotes inside the JSON arg
 ]
 
 

@@ -156,7 +156,8 @@ address ($(POD_IP), expanded by the kubelet): prefill calls decode's retention s
 - {{ $c.toolCallParser | quote }}
 {{- end }}
 - --kv-transfer-config
-- {{ include "agentkv.kvTransferConfig" . | quote }}
+{{- /* Single-quoted: the JSON reads as written (YAML doubles a quote inside). */}}
+- '{{ include "agentkv.kvTransferConfig" . | replace "'" "''" }}'
 {{- range $extraArgs }}
 - {{ . | quote }}
 {{- end }}
