@@ -122,6 +122,15 @@ class LeaseClient:
                 await asyncio.sleep(0.02 * (attempt + 1))
         return None
 
+    async def cached(self, decode: BackendState, request_id: str) -> int:
+        """Tokens of a finished request that decode's prefix cache still holds (its blocks no longer
+        leased: a declined retention, a lease run out); 0 where decode cannot say."""
+        url = f"{decode.backend.control_url}/agentkv/v1/cached/{request_id}"
+        resp = await self._call("GET", url)
+        data = _json(resp) if resp is not None and resp.status_code == 200 else None
+        n = data.get("cached_tokens") if data is not None else None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
     async def renew(self, decode: BackendState, request_id: str, duration_s: float) -> Retained | None:
         url = f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}/renew"
         resp = await self._call("POST", url, json={"duration_s": duration_s})

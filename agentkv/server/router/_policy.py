@@ -337,6 +337,7 @@ def choose_path(
     prefill_outstanding: int = 0,
     prefill_queue_cap: int = 0,
     context_tokens: int = 0,
+    cached_tokens: int = 0,
 ) -> PathDecision:
     """Pick the cheapest path to the first token for this turn.
 
@@ -352,7 +353,11 @@ def choose_path(
     (P hops in flight, renders not counted; 0: never), any turn, a cold one included, is prefilled on its
     decode as an aggregated server would: a turn queued behind other prompts on prefill waits longer than
     decode's chunked prefill delays the streams it runs. ``new_tokens`` is then the whole prompt for a turn
-    without reusable blocks."""
+    without reusable blocks.
+
+    ``cached_tokens``: where decode retains nothing this turn may reuse (its retention cap declined the last
+    turn, or the lease ran out), the tokens of the prompt its prefix cache still holds; ``new_tokens`` is
+    then the rest. See `_cached_path`."""
     if not exact and policy != "always-pd":
         if policy == "always-local":
             return PathDecision(path="decode-local", reason="policy always-local")
@@ -363,6 +368,14 @@ def choose_path(
                 prefill_busy=True,
             )
     if not reuse_ok:
+        if cached_tokens > 0 and not exact and policy != "always-pd":
+            return _cached_path(
+                new_tokens=new_tokens,
+                cached_tokens=cached_tokens,
+                decode_outstanding=decode_outstanding,
+                local_max_tokens=local_max_tokens,
+                model=model,
+            )
         return PathDecision(path="recompute", reason="no reusable blocks")
     if policy == "always-pd":
         return PathDecision(path="pull", reason="policy always-pd")
@@ -379,3 +392,31 @@ def choose_path(
     if local_ms <= pd_ms:
         return PathDecision(path="decode-local", reason=f"local ~{local_ms:.1f} ms <= pd ~{pd_ms:.1f} ms")
     return PathDecision(path="pull", reason=f"pd ~{pd_ms:.1f} ms < local ~{local_ms:.1f} ms")
+
+
+def _cached_path(
+    *, new_tokens: int, cached_tokens: int, decode_outstanding: int, local_max_tokens: int, model: CostModel
+) -> PathDecision:
+    """Decode-local over what decode's prefix cache still holds, or a recompute on prefill.
+
+    Decode-local is then what one vLLM server with its prefix cache does with the turn: it computes only
+    the `new_tokens` its cache lacks. A recompute computes the whole prompt on prefill (less what prefill's
+    own cache holds) and moves all of its KV to decode: at long contexts seconds against milliseconds. So
+    decode-local, unless the suffix is over `local_max_tokens`, or the measured lines say otherwise: the
+    local line at this context, scaled by decode's load as for a hit, against the P/D line for the whole
+    prompt computed (no context reused). Until the local line is measured, decode-local only on an idle
+    decode, as for a hit."""
+    if new_tokens > local_max_tokens:
+        return PathDecision(
+            path="recompute", reason=f"decode caches ~{cached_tokens}; suffix ~{new_tokens} > local cap"
+        )
+    if model.local.samples < _MIN_SAMPLES or model.pd.samples < _MIN_SAMPLES:
+        if decode_outstanding == 0:
+            return PathDecision(path="decode-local", reason=f"decode caches ~{cached_tokens}; decode idle")
+        return PathDecision(path="recompute", reason=f"decode caches ~{cached_tokens}; learning, decode busy")
+    local_ms = (model.local.predict(new_tokens, context=cached_tokens) or 0.0) * (1 + decode_outstanding)
+    recompute_ms = model.pd.predict(new_tokens + cached_tokens) or 0.0
+    costs = f"local ~{local_ms:.1f} ms, recompute ~{recompute_ms:.1f} ms"
+    if local_ms <= recompute_ms:
+        return PathDecision(path="decode-local", reason=f"decode caches ~{cached_tokens}: {costs}")
+    return PathDecision(path="recompute", reason=f"decode caches ~{cached_tokens}: {costs}")

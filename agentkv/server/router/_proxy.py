@@ -202,20 +202,26 @@ class TurnRunner:
         if turn.conversation_id is not None:
             # A partial match reuses decode's blocks as a whole one does (its count says how many).
             turn.reuse = "hit" if verdict in ("ok", "partial") else verdict
+        cached, beyond = await self._decode_cached(turn, record, decode, verdict)
         decision = choose_path(
             policy=self._s.path_policy,
             reuse_ok=verdict in ("ok", "partial"),
-            new_tokens=self._new_tokens(turn, record),
+            new_tokens=beyond if cached else self._new_tokens(turn, record),
             decode_outstanding=decode.outstanding,
             local_max_tokens=self._s.decode_local_max_tokens,
             model=sv.cost,
             exact=self._s.exact,
             prefill_outstanding=await self._prefill_load(),
             prefill_queue_cap=self._s.prefill_queue_cap,
+            cached_tokens=cached,
             context_tokens=self._held_tokens(turn, record) if verdict in ("ok", "partial") else 0,
         )
         book.decided(turn, decision)
         turn.path = decision.path
+        if cached and decision.path == "decode-local":
+            # Decode's prefix cache serves the prompt's start: counted apart from a lease's reuse. `assess`
+            # corrects the count where decode's answer reports its cached tokens.
+            turn.reuse, turn.reused_tokens = "cached", cached
         if turn.rendered is not None:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
             turn.pack_ids = turn.forward_ids and decode.packed_ids
@@ -281,6 +287,37 @@ class TurnRunner:
         if turn.offer_tokens is not None:
             return turn.offer_tokens
         return record.tokens.held if record.tokens else record.retained_tokens
+
+    async def _decode_cached(
+        self, turn: Turn, record: ConversationRecord | None, decode: BackendState, verdict: str
+    ) -> tuple[int, int]:
+        """(tokens of this prompt decode's prefix cache still holds, tokens beyond them) for a turn of a
+        conversation whose decode retains nothing it may reuse (its retention cap declined the last turn, or
+        the lease ran out); (0, 0) where decode cannot say, or the prompt does not extend the last one."""
+        s = self._s
+        if (
+            record is None
+            or verdict not in ("miss", "expired")
+            or decode.name != record.decode
+            or not decode.retention
+            or s.exact
+            or s.path_policy == "always-pd"
+            or not s.reuse
+            or turn.key is None
+        ):
+            return 0, 0
+        ids = turn.prompt_ids
+        if record.tokens is not None and ids is not None:
+            extends = record.tokens.extended_by(ids)
+        else:
+            extends = record.prefix is not None and record.prefix.matches(turn.body)
+        if not extends:
+            return 0, 0
+        cached = await self._sv.leases.cached(decode, record.request_id)
+        if ids is None:
+            return cached, self._new_tokens(turn, record)
+        cached = min(cached, max(len(ids) - 1, 0))  # vLLM computes at least a prompt's last token
+        return cached, len(ids) - cached
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""
