@@ -403,7 +403,9 @@ def replay(
             stats.ttft_s.append(ttft)
             if turn > 0:
                 stats.ttft_continuation_s.append(ttft)
-            push(now + ttft + spec.output_length * scenario.itl_ms / 1000, "finish", conversation, turn)
+            # Summed before it is added to the clock: the same float as the replay without tiers computes.
+            service = ttft + spec.output_length * scenario.itl_ms / 1000
+            push(now + service, "finish", conversation, turn)
         elif kind == "read-done":
             settle(reading_of.pop(conversation), now, "read")
         elif kind == "finish":

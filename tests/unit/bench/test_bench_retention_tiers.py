@@ -268,3 +268,30 @@ def test_the_tiers_bench_writes_its_rows_and_targets(tmp_path: Path) -> None:
         "tier_blocks_host.png",
         "tier_blocks_host_disk.png",
     ]
+
+
+def test_the_replay_without_tiers_still_gives_the_committed_retention_results() -> None:
+    """Tiers must not move the existing policies: seed 0 of the committed capped run, counter for counter."""
+    from bench._retention_sim import script_scenario
+    from bench._trace import DEFAULT_TRACE, group_conversations, load_trace
+
+    committed = Path(__file__).resolve().parents[3] / "bench" / "results" / "retention" / "retention.json"
+    data = json.loads(committed.read_text())["data"]
+    config = data["config"]
+    scenario = Scenario(
+        seed=0,
+        vanish_fraction=config["vanish"],
+        long_gap_fraction=config["long_gaps"],
+        lease_s=config["lease_s"],
+        ttl_s=config["ttl_s"],
+        block_size=config["block_size"],
+        heartbeat_idle_limit_s=config["heartbeat_idle_limit_s"],
+        capacity_blocks=config["capacity_blocks"],
+    )
+    scripts = script_scenario(group_conversations(load_trace(DEFAULT_TRACE)), scenario)
+    for policy in ("fixed", "lease", "lease-evict"):
+        expected = data["scenarios"]["capped"][policy]["per_seed"][0]
+        result = replay(scripts, scenario, policy)
+        for key in ("hits", "continuation_turns", "refused", "evicted", "released", "expired", "heartbeats"):
+            assert result[key] == expected[key], (policy, key)
+        assert result["block_seconds"] == pytest.approx(expected["block_seconds"], rel=1e-12)
