@@ -21,7 +21,7 @@ NOWHERE = "http://127.0.0.1:9"  # the discard port: nothing answers
 
 
 def test_free_port_from_a_start_skips_ports_whose_offsets_are_taken() -> None:
-    port = free_port(24000)
+    port = free_port(24000, offsets=[7])  # port + 7 free too, for this test to take it
     assert port >= 24000 and not port_in_use("127.0.0.1", port)
     with socket.socket() as held:
         held.bind(("127.0.0.1", port + 7))
