@@ -309,8 +309,8 @@ def test_merge_computes_targets_over_the_merged_legs() -> None:
 
 
 def _short_plans(**kw: Any) -> list[Any]:
-    """Sub-second plans for the driver tests: tiny contexts, gaps of tens of milliseconds."""
-    return generate_plans(contexts=[100], suffix=10, gap_sigma=0.1, max_gap_s=0.1, **kw)
+    """Short plans for the driver tests: tiny contexts, gaps of tens of milliseconds unless asked."""
+    return generate_plans(**{"contexts": [100], "suffix": 10, "gap_sigma": 0.1, "max_gap_s": 0.1, **kw})
 
 
 async def _drive(plans: list[Any], transport: httpx.AsyncBaseTransport, **kw: Any) -> StepRun:
@@ -338,8 +338,12 @@ async def test_run_step_drives_turns_heartbeats_and_closes_conversations() -> No
             return _sse(body["max_tokens"], "miss" if len(body["messages"]) == 1 else "hit")
         return httpx.Response(200, json={})
 
-    plans = _short_plans(rate=20.0, window_s=0.2, turns=3, output_tokens=4, gap_median_s=0.05, seed=3)
-    run = await _drive(plans, httpx.MockTransport(handler), router=True, heartbeat_s=0.01, drain_s=5)
+    # Tool gaps of a second against beats every 10 ms: a gap sees a beat unless its process stalls for
+    # about the whole second. The drain is a bound only: the step ends when its conversations do.
+    plans = _short_plans(
+        rate=20.0, window_s=0.2, turns=3, output_tokens=4, gap_median_s=1.0, max_gap_s=2.0, seed=3
+    )
+    run = await _drive(plans, httpx.MockTransport(handler), router=True, heartbeat_s=0.01, drain_s=120)
     assert len(run.records) == 3 * len(plans) and all(r.ok for r in run.records)
     assert all(r.output_tokens == 4 and r.tpot_s is not None for r in run.records)
     assert {r.reuse for r in run.records if r.turn > 0} == {"hit"}
@@ -359,13 +363,13 @@ async def test_run_step_cuts_what_is_still_running_at_the_drain_deadline() -> No
     class Slow(httpx.AsyncBaseTransport):
         async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
             if request.url.path == "/v1/chat/completions":
-                await asyncio.sleep(10)
+                await asyncio.sleep(600)  # only the cut ends these turns
             return httpx.Response(200, json={})
 
     plans = _short_plans(rate=50.0, window_s=0.05, turns=2, output_tokens=2, gap_median_s=0.01, seed=1)
     run = await _drive(plans, Slow(), router=False, drain_s=0.2)
     assert run.records and all(r.cut and r.error is None for r in run.records)
-    assert run.wall_s < 2
+    assert run.wall_s < 300  # a bound, not a speed: a step that waited for its turns took 600 s
 
 
 def test_router_settings_per_leg() -> None:
