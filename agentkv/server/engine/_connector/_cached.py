@@ -106,7 +106,8 @@ def calling_scheduler() -> Any:
 def pool_lookup(scheduler: Any) -> Lookup | None:
     """A lookup of block hashes in the block pool of vLLM's scheduler ``scheduler``, for the first KV cache
     group (the only one where one block size describes every layer, the case we count); None where that
-    scheduler has no pool with ``get_cached_block`` (another vLLM layout)."""
+    scheduler has no pool with ``get_cached_block`` (another vLLM layout; 0.26-0.34 all have
+    ``Scheduler.kv_cache_manager.block_pool.get_cached_block(block_hash, kv_cache_group_ids)``)."""
     manager = getattr(scheduler, "kv_cache_manager", None)
     pool = getattr(manager, "block_pool", None)
     get = getattr(pool, "get_cached_block", None)
