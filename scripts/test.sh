@@ -14,6 +14,13 @@ if [ ! -d "$O3/openai" ]; then
   $PY -m pip install -q --disable-pip-version-check --target "$O3" "openai==3.57.0" "httpx2==2.16.2" \
     >/dev/null 2>&1 || { echo "could not install openai 3 for the SDK tests" >&2; exit 1; }
 fi
+# openai-agents needs openai 3 as well: tests/integration/test_agents_sdk.py runs its client in a subprocess
+# with this dir first on its path (pinned; its dependencies too, which shadow the main env's there).
+OA=.agentkv/openai-agents
+if [ ! -d "$OA/agents" ]; then
+  $PY -m pip install -q --disable-pip-version-check --target "$OA" "openai-agents==0.24.0" "openai==3.57.0" \
+    "httpx2==2.16.2" >/dev/null 2>&1 || { echo "could not install openai-agents for its tests" >&2; exit 1; }
+fi
 PYTHONPATH="$O3:." $PY -m pytest -p no:cacheprovider -q tests/unit/client tests/unit/session \
   tests/unit/integrations || exit 1
 $PY -m pytest -p no:cacheprovider "$@"
