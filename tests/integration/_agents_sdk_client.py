@@ -11,9 +11,11 @@ The tiny model emits random text and never calls a tool by itself, so the loop i
 own settings, not by faking model output. Run 1: ``tool_choice="required"`` with ``reset_tool_choice=False``
 makes every model call a tool call (vLLM constrains the output to one), and a ``tool_use_behavior`` function
 ends the run after ``TOOL_STEPS`` tool calls, so the SDK makes ``TOOL_STEPS`` model calls, each re-sending
-the growing history with the tool's results. Run 2 continues the conversation with a new user message and the
-SDK's defaults for the rest: one forced tool call, after which the SDK resets ``tool_choice`` and the model
-answers in text.
+the growing history with the tool's results. Run 2 continues the conversation with a new user message: one
+forced tool call; on chat completions the SDK then resets ``tool_choice`` (its default) and the model answers
+in text. The Responses model ends run 2 at that tool call instead: the random model never ends a text answer
+before ``max_output_tokens``, vLLM then marks the response ``incomplete``, and the SDK's Responses model
+raises on an incomplete response (its chat model takes ``finish_reason="length"`` as an answer).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ async def main(router_url: str, model_name: str, api: str, conversation_id: str,
         tool_choice="required",
         # One call per step: vLLM's constraint then ends the forced call where the schema does.
         parallel_tool_calls=False,
-        max_tokens=48,
+        max_tokens=64,
         temperature=0,
         # The conversation id the router keys decode's KV by.
         extra_headers={"x-session-id": conversation_id},
@@ -102,8 +104,10 @@ async def main(router_url: str, model_name: str, api: str, conversation_id: str,
     prompt = f"{conversation_id}: how many rows do the orders and users tables have? Check each one."
     first = await Runner.run(agent, prompt, run_config=config, max_turns=tool_steps + 1)
     calls_first = len(calls)
-    # Run 2: the SDK's default loop (reset_tool_choice) on the history of run 1 plus a new user message.
-    follow_up = agent.clone(tool_use_behavior="run_llm_again", reset_tool_choice=True)
+    # Run 2: the SDK's default reset_tool_choice on the history of run 1 plus a new user message.
+    follow_up = agent.clone(
+        tool_use_behavior="run_llm_again" if api == "chat" else "stop_on_first_tool", reset_tool_choice=True
+    )
     history = [*first.to_input_list(), {"role": "user", "content": "And the users table again?"}]
     second = await Runner.run(follow_up, history, run_config=config, max_turns=4)
     await http.aclose()
