@@ -67,6 +67,14 @@ def test_engines_load_agentkvs_connector_with_their_role(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def test_both_roles_serve_one_model_path(name: str) -> None:
+    # vLLM hashes the --model string into NIXL's handshake: P and D at different paths refuse each other.
+    models = {arg(container(d), "--model") for d in engines(render(name)).values()}
+    names = {arg(container(d), "--served-model-name") for d in engines(render(name)).values()}
+    assert len(models) == 1 and len(names) == 1
+
+
+@pytest.mark.parametrize("name", EXAMPLE_NAMES)
 def test_agentkv_service_listens_on_the_pod_address_at_http_plus_offset(name: str) -> None:
     docs = render(name)
     for role, deployment in engines(docs).items():
