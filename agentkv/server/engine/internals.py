@@ -127,7 +127,10 @@ INTERNALS: tuple[Internal, ...] = (
             ("update_state_after_alloc", "what a pull reads, as the prefix check cut it"),
             ("build_connector_meta", "lease renewals and releases applied on the scheduler's clock"),
             ("update_connector_output", "finished reads release the blocks they leased"),
-            ("request_finished", "a finished request's blocks leased (or declined at the cap), not pinned"),
+            (
+                "request_finished",
+                "a finished request's blocks leased (or declined at the cap), not pinned; one aborted after it generated (a stop string, a client gone) kept as if stopped",
+            ),
             ("shutdown", "the retention service stopped with the engine"),
         )
     ),

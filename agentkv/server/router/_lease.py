@@ -25,6 +25,11 @@ Retained = dict[str, Any]  # the service's answer: request_id, kv_transfer_param
 _TOKENS_IN = (0, 32)
 
 
+# How long decode's service may wait for a request to finish before answering a lookup (it answers as soon
+# as the request has finished, retained or not).
+_FINISH_WAIT_MS = 2000
+
+
 class LeaseClient:
     """Talks to `control_url` of each decode. Every failure maps to None/False: leases are an
     optimisation, so a missing or broken service never fails a client's turn."""
@@ -109,9 +114,10 @@ class LeaseClient:
         return prefill.generates is not False and await self._runs_tokens_in(prefill)
 
     async def retained(self, decode: BackendState, request_id: str) -> Retained | None:
-        """What decode retained for our request. Retried briefly: decode's bookkeeping can trail the
-        stream's last byte by a scheduler step or two."""
-        url = f"{decode.backend.control_url}/agentkv/v1/retained/{request_id}"
+        """What decode retained for our request. Decode's bookkeeping can trail the answer's last byte (by a
+        scheduler step, or by the abort that follows a client's stop string): agentkv's service waits until
+        the request has finished (`wait_ms`); a service that does not is asked again briefly."""
+        url = f"{decode.backend.control_url}/agentkv/v1/retained/{request_id}?wait_ms={_FINISH_WAIT_MS}"
         for attempt in range(self._retries):
             resp = await self._call("GET", url)
             if resp is not None and resp.status_code == 200:

@@ -53,6 +53,12 @@ class RouterMetrics:
             "Turns prefilled on decode because every prefill had prefill_queue_cap P hops in flight",
             registry=r,
         )
+        self.clients_left = Counter(
+            "agentkv_clients_left",
+            "Streamed turns whose client left mid-answer after decode had sent text: recorded for the next "
+            "turn, which reuses what decode kept",
+            registry=r,
+        )
         self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)
         self.lease_releases = Counter("agentkv_lease_releases", "Decode leases released", registry=r)
         self.backend_errors = Counter(

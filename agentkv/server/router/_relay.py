@@ -64,6 +64,7 @@ class Relay:
         self._resp, self._stack = resp, stack
         self._output = TurnOutput(dialect=turn.dialect)
         self._ok = False
+        self._client_left = False
         self._closed: asyncio.Task[None] | None = None
         self._splitter: EventSplitter | None = None
 
@@ -98,6 +99,10 @@ class Relay:
         except httpx.HTTPError:
             failure = "decode engine connection lost"
             self._sv.metrics.backend_errors.labels(role="decode", kind="stream").inc()
+        except (GeneratorExit, asyncio.CancelledError):
+            # The client left mid-answer (the server closes or cancels this generator at a `yield`).
+            self._client_left = True
+            raise
         if failure is not None:
             yield stream_error(error_body(502, failure, code="stream_interrupted"), self._output)
 
@@ -113,11 +118,23 @@ class Relay:
             await close_quietly(self._resp)
             # Decode's [DONE] counts even if the client hung up right after receiving it (the SDK closes
             # the response at [DONE], which can cancel the generator before its loop ends).
-            if self._ok or (self._splitter is not None and self._splitter.done):
+            done = self._ok or (self._splitter is not None and self._splitter.done)
+            left = not done and self._left_after_tokens()
+            if left:
+                self._sv.metrics.clients_left.inc()
+            if done or left:
+                # A client that left mid-answer left decode with the KV it computed: closing decode's stream
+                # aborted the request, which agentkv's connector retains as it retains a stopped one, and
+                # the next turn is checked against it on token ids like any other.
                 new = await self._book.assess(self._turn, self._record, self._decode, self._output)
                 await self._book.remember(self._turn, self._record, new)
             else:
                 await self._book.failed(self._turn, self._record)
+
+    def _left_after_tokens(self) -> bool:
+        """The client left after decode had sent text, on the token path (the ids the next turn is checked
+        on are the prompt's, never the answer the client may not have read whole)."""
+        return self._client_left and self._turn.ttft_ms is not None and self._turn.prompt_ids is not None
 
 
 class RelayResponse(StreamingResponse):

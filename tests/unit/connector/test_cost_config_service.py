@@ -1,3 +1,6 @@
+import collections
+import threading
+
 import pytest
 
 from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
@@ -81,12 +84,50 @@ def test_retention_cap_settings() -> None:
         ConnectorSettings.from_extra({"agentkv_max_retained_blocks": -1})
 
 
+def _routing_only(table: LeaseTable) -> RetentionService:
+    svc = RetentionService.__new__(RetentionService)  # routing only: no socket
+    svc.table = table
+    svc._info = lambda: {"engine_id": "e"}
+    svc._finished = collections.OrderedDict()
+    svc._finished_lock = threading.Lock()
+    return svc
+
+
+def test_a_lookup_waits_for_its_request_to_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer to a stop-string turn reaches the router before vLLM's abort reaches decode's scheduler: a
+    lookup with `wait_ms` answers once the request has finished, leased or not."""
+    from agentkv.server.engine._connector import _service
+
+    t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
+    svc = _routing_only(t)
+    finishing = iter([lambda: (t.add("chatcmpl-late-1", {"a": 1}, 7), svc.finished("chatcmpl-late-1"))])
+    # The scheduler finishes the request while the lookup waits (at its first pause), never by the clock.
+    monkeypatch.setattr(_service.time, "sleep", lambda _s: next(finishing, lambda: None)())
+    status, body = svc.handle("GET", "/agentkv/v1/retained/late?wait_ms=2000", {})
+    assert status == 200 and body["num_tokens"] == 7
+    # Finished without a lease (declined at the cap): answered at once, not after the wait.
+    svc.finished("chatcmpl-declined-1")
+    monkeypatch.setattr(_service.time, "sleep", lambda _s: pytest.fail("waited for a finished request"))
+    assert svc.handle("GET", "/agentkv/v1/retained/chatcmpl-declined-1?wait_ms=2000", {})[0] == 404
+    assert svc.handle("GET", "/agentkv/v1/retained/unknown?wait_ms=0", {})[0] == 404
+    for bad in ("nan", "1e9x", "-"):
+        assert svc.handle("GET", f"/agentkv/v1/retained/x?wait_ms={bad}", {})[0] == 400
+
+
+def test_finished_requests_are_bounded() -> None:
+    from agentkv.server.engine._connector._service import _FINISHED_KEPT
+
+    svc = _routing_only(LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0))
+    for i in range(_FINISHED_KEPT + 10):
+        svc.finished(f"r{i}")
+    assert len(svc._finished) == _FINISHED_KEPT
+    assert svc._is_finished(f"r{_FINISHED_KEPT + 9}") and not svc._is_finished("r0")
+
+
 def test_service_routes() -> None:
     t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
     t.add("chatcmpl-x-1", {"a": 1}, 5)
-    svc = RetentionService.__new__(RetentionService)  # routing only: no socket
-    svc.table = t
-    svc._info = lambda: {"engine_id": "e"}
+    svc = _routing_only(t)
     info = (200, {"engine_id": "e", "retained": 1, "retained_blocks": 0})  # the test adds num_blocks=0
     assert svc.handle("GET", "/agentkv/v1/info", {}) == info
     status, body = svc.handle("GET", "/agentkv/v1/retained/x", {})

@@ -9,11 +9,13 @@ engine does not spin while it merely holds blocks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
@@ -292,7 +294,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
 
     # --- decode: lease instead of a fixed TTL -----------------------------------------------------------
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
-        delay, params = super().request_finished(request, block_ids)
+        with self._kept_if_cut(request):
+            delay, params = super().request_finished(request, block_ids)
         pulled = self._pulled.pop(request.request_id, None)
         if params is not None and not self.is_decode:
             # The router's count of what came from decode (vLLM's cached_tokens adds prefill's cache hits).
@@ -330,7 +333,34 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             self.stats["retained" if retained else "not_retained"] += 1
         if self.cached is not None:
             self._keep_hashes(request)
+        if self.service is not None:
+            self.service.finished(request.request_id)
         return delay, params
+
+    @contextlib.contextmanager
+    def _kept_if_cut(self, request: Request) -> Iterator[None]:
+        """On decode, a request aborted after it generated is retained as one that stopped.
+
+        vLLM aborts a request in the engine core when its API server finds a client's stop string, or when
+        the client leaves; NixlConnector retains only requests finished by length or a stop token, so such a
+        turn (every turn of a harness that sends stop sequences) left nothing for the next. Its KV is as
+        complete as a stopped request's up to the tokens it computed, and what is offered from it is checked
+        block by block on the next prompt's ids like any offer (`FINGERPRINTS_KEY`)."""
+        from vllm.v1.request import RequestStatus
+
+        if not (
+            self.is_decode
+            and self.leases is not None
+            and request.status == RequestStatus.FINISHED_ABORTED
+            and request.num_output_tokens > 0
+        ):
+            yield
+            return
+        request.status = RequestStatus.FINISHED_STOPPED
+        try:
+            yield
+        finally:
+            request.status = RequestStatus.FINISHED_ABORTED
 
     def _keep_hashes(self, request: Request) -> None:
         """Remember a finished request's vLLM block hashes (see `CachedPrompts`)."""

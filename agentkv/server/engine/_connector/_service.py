@@ -11,10 +11,12 @@ import hmac
 import json
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
 from agentkv.server.engine._connector._cached import CachedPrompts
 from agentkv.server.engine._connector._leases import LeaseTable
@@ -24,6 +26,10 @@ __all__ = ["COUNTERS", "RetentionService", "render_metrics"]
 logger = logging.getLogger("agentkv.connector")
 _PREFIX = "/agentkv/v1/"
 _MAX_BODY = 4096
+# Finished requests remembered, so a lookup that waits for one knows when it is done: a few minutes of turns.
+_FINISHED_KEPT = 4096
+# The longest a lookup may wait for its request to finish (`wait_ms`).
+_MAX_WAIT_S = 5.0
 
 # Counters of the connector's decisions (``AgentKVScheduler.stats``), as Prometheus exposes them. vLLM's own
 # /metrics lives in the API-server process; these live in the engine-core process, so this service serves
@@ -80,6 +86,8 @@ class RetentionService:
     ) -> None:
         self.table = table
         self.cached = cached
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._finished_lock = threading.Lock()
         self._info = info
         self._expected = f"Bearer {token}".encode() if token else None
         handler = type("_Handler", (_Handler,), {"service": self})
@@ -108,11 +116,36 @@ class RetentionService:
             return True
         return hmac.compare_digest((authorization or "").encode(), self._expected)
 
+    def finished(self, request_id: str) -> None:
+        """Decode's scheduler is done with this request (its blocks leased or not): a lookup waiting for it
+        answers now. Called after the lease is added."""
+        with self._finished_lock:
+            self._finished[request_id] = None
+            self._finished.move_to_end(request_id)
+            while len(self._finished) > _FINISHED_KEPT:
+                self._finished.popitem(last=False)
+
+    def _is_finished(self, request_id: str) -> bool:
+        with self._finished_lock:
+            return request_id in self._finished
+
+    def _lookup(self, request_id: str, wait_s: float) -> dict[str, Any] | None:
+        """The request's lease, waiting up to `wait_s` for the request to finish. An answer can reach the
+        client before decode's scheduler has finished its request: a stop string is found in vLLM's API
+        server, which then aborts the request in the engine core."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = self.table.lookup(request_id)
+            if found or self._is_finished(request_id) or time.monotonic() >= deadline:
+                # Looked up once more after `finished`: the lease is added before the request is marked.
+                return found or self.table.lookup(request_id)
+            time.sleep(0.005)
+
     # Routing lives here, not in the handler, so it can be tested without sockets.
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not path.startswith(_PREFIX):
             return 404, {"error": "not found"}
-        path = path.partition("?")[0]
+        path, _, query = path.partition("?")
         parts = [unquote(p) for p in path[len(_PREFIX) :].split("/") if p]
         match method, parts:
             case "GET", ["info"]:
@@ -122,7 +155,11 @@ class RetentionService:
                     "retained_blocks": self.table.blocks_in_use(),
                 }
             case "GET", ["retained", rid]:
-                found = self.table.lookup(rid)
+                try:
+                    wait_s = min(int(parse_qs(query).get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
+                except ValueError:
+                    return 400, {"error": "wait_ms must be a whole number"}
+                found = self._lookup(rid, max(wait_s, 0.0))
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
             case "GET", ["cached", rid]:
                 # What decode's prefix cache still holds of a finished request's tokens (`CachedPrompts`).
