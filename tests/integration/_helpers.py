@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import time
@@ -196,21 +197,37 @@ def chat(
         return Turn(ids, text, dict(r.headers))
 
 
+# Salt of every nonce of this run: none in CI, so a test's prompts (and the greedy answers its verdict reads)
+# are the same in every run; a random one against a cluster that outlives the run (AGENTKV_IT_EXTERNAL=1),
+# whose engines may still cache an earlier run's prompts.
+_NONCE_SALT = uuid.uuid4().hex if os.environ.get("AGENTKV_IT_EXTERNAL") == "1" else ""
+_NONCES_MADE: dict[tuple[str, int], int] = {}
+
+
+def _nonce(seed: int) -> str:
+    """A nonce that follows from the running test, the seed and how many scripts of that seed the test made
+    before: unique across the suite (no engine holds a cached prefix of another test's prompt), and the same
+    in every run, whichever tests run with it."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]
+    n = _NONCES_MADE[test, seed] = _NONCES_MADE.get((test, seed), 0) + 1
+    return hashlib.sha256(f"{_NONCE_SALT}|{test}|{seed}|{n}".encode()).hexdigest()[:32]
+
+
 def conversation_script(
     seed: int, turns: int, *, nonce: str | None = None, letters: bool = False
 ) -> list[str]:
     """User/tool messages of varied length for a multi-turn conversation, deterministic from ``seed``.
 
-    A fresh ``nonce`` starts the first message so no engine holds a cached prefix from an earlier test run.
-    ``letters``: words of random letters instead of a 13-word vocabulary. KV read for the wrong tokens of so
-    repetitive a text can leave the tiny model's greedy answer unchanged; tests that must see wrong KV change
-    an answer use letters.
+    A ``nonce`` of the running test (``_nonce``) starts the first message so no engine holds a cached prefix
+    from another test. ``letters``: words of random letters instead of a 13-word vocabulary. KV read for the
+    wrong tokens of so repetitive a text can leave the tiny model's greedy answer unchanged; tests that must
+    see wrong KV change an answer use letters.
     """
     import random
     import string
 
     rng = random.Random(seed)
-    nonce = nonce if nonce is not None else uuid.uuid4().hex
+    nonce = nonce if nonce is not None else _nonce(seed)
     words = "agent tool search file row column query report number answer table cache block".split()
     if letters:
         letter = string.ascii_lowercase
