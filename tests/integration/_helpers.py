@@ -302,9 +302,64 @@ def pd_turn(
 
 
 def retained_params(service_url: str, request_id: str) -> dict[str, Any] | None:
-    for _ in range(20):  # decode's bookkeeping can trail the response by a step
-        r = service_call("GET", f"{service_url}/agentkv/v1/retained/{request_id}")
-        if r.status_code == 200:
-            return r.json()["kv_transfer_params"]
-        time.sleep(0.05)
-    return None
+    """What decode's retention service holds for ``request_id`` now, or None (it holds nothing for it)."""
+    r = service_call("GET", f"{service_url}/agentkv/v1/retained/{request_id}")
+    return r.json()["kv_transfer_params"] if r.status_code == 200 else None
+
+
+def held_params(service_url: str, request_id: str, *, timeout_s: float = 60) -> dict[str, Any]:
+    """What decode retained for a request it answered, waited for: decode's bookkeeping can trail the
+    response by an engine step, which a starved host can stretch."""
+    held: list[dict[str, Any]] = []
+
+    def found() -> bool:
+        params = retained_params(service_url, request_id)
+        held[:] = [params] if params is not None else []
+        return bool(held)
+
+    wait_until(found, timeout_s=timeout_s, what=lambda: f"decode retained nothing for {request_id}")
+    return held[0]
+
+
+def no_leases_left(service_url: str) -> None:
+    """Wait until decode holds no lease: earlier tests' leases run out on their own meanwhile, so that the
+    counts a test reads next see only its own conversations (once, a lease ending between two reads made
+    "retained" drop by 2)."""
+    wait_until(
+        lambda: service_info(service_url)["retained"] == 0,
+        timeout_s=120,  # test leases are 14 s; an SDK session may have extended one
+        what=lambda: "leases of earlier tests did not run out",
+        every_s=0.5,
+    )
+
+
+def router_turns(router_url: str) -> float:
+    """The turns a router has counted so far (every path, every outcome)."""
+    return metric(router_url, "agentkv_turns_total")
+
+
+def wait_turns_counted(router_url: str, before: float, turns: int, *, timeout_s: float = 60) -> None:
+    """Until the router has counted ``turns`` turns since it counted ``before``. A streamed turn is counted
+    (with its reuse, reused and pulled tokens) after its last byte, and a JSON turn's record is stored after
+    it: a client holding the whole answer can read the router before the turn is in its counters."""
+    seen: list[float] = []
+
+    def counted() -> bool:
+        seen[:] = [router_turns(router_url) - before]
+        return seen[0] >= turns
+
+    wait_until(counted, timeout_s=timeout_s, what=lambda: f"the router counted {seen} of {turns} turns")
+
+
+def conversation_state(router_url: str, conversation_id: str, *, timeout_s: float = 60) -> dict[str, Any]:
+    """The router's view of a conversation (``GET /v1/conversations/{id}``), waited for: the record of a
+    conversation's turn is stored after the client has the answer."""
+    state: list[dict[str, Any]] = []
+
+    def stored() -> bool:
+        r = httpx.get(f"{router_url}/v1/conversations/{conversation_id}", timeout=10)
+        state[:] = [r.json()] if r.status_code == 200 else []
+        return bool(state)
+
+    wait_until(stored, timeout_s=timeout_s, what=lambda: f"the router has no record of {conversation_id}")
+    return state[0]

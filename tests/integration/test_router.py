@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import openai
@@ -16,10 +15,14 @@ from ._helpers import (
     RouterProc,
     chat,
     conversation_script,
+    conversation_state,
     metric,
     new_id,
+    no_leases_left,
+    router_turns,
     run_conversation,
     service_info,
+    wait_turns_counted,
     wait_until,
 )
 
@@ -74,8 +77,10 @@ def test_four_turns_streamed_by_openai_sdk_reuse_decode_kv(
             metric(p_url, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
         )
 
-    before = counters()
+    turns0, before = router_turns(router.url), counters()
     on_ids, on_reuse = _sdk_conversation(router.url, new_id("sdk"), script)
+    # The router counts a streamed turn after its last byte, which the SDK may read first.
+    wait_turns_counted(router.url, turns0, len(script))
     hits, reused_router, pulled_router, pulled, external = (
         a - b for a, b in zip(counters(), before, strict=True)
     )
@@ -125,35 +130,26 @@ def test_client_supplied_kv_transfer_params_are_ignored(cluster: Cluster, router
     assert service_info(ps)["stats"]["tokens_offered"] == offered0  # prefill never saw the forged offer
 
 
-def _no_leases_left(service_url: str) -> None:
-    """Earlier tests' leases run out on their own meanwhile; wait for them so that the counts a test reads
-    see only its own conversation (once, a lease ending between two reads made "retained" drop by 2)."""
-    wait_until(
-        lambda: service_info(service_url)["retained"] == 0,
-        timeout_s=120,  # test leases are 14 s; an SDK session may have extended one
-        what=lambda: "leases of earlier tests did not run out",
-        every_s=0.5,
-    )
-
-
 def test_releasing_a_conversation_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
     d = cluster.decodes[0].spec
     assert d.service_url
-    _no_leases_left(d.service_url)
+    no_leases_left(d.service_url)
     cid = new_id("release")
     run_conversation(router.url, conversation_script(13, 1), conversation_id=cid)
-    state = httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).json()
+    state = conversation_state(router.url, cid)
     assert state["lease"]["state"] == "held" and state["retained_tokens"] > 0
-    retained_before = service_info(d.service_url)["retained"]
+    assert service_info(d.service_url)["retained"] == 1  # this conversation's lease, and no other
     usage_before = metric(d.url, "vllm:kv_cache_usage_perc")
     assert usage_before > 0
     r = httpx.delete(f"{router.url}/v1/conversations/{cid}", timeout=5)
     assert r.status_code == 200 and r.json()["released"] is True
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and metric(d.url, "vllm:kv_cache_usage_perc") >= usage_before:
-        time.sleep(0.2)
-    assert metric(d.url, "vllm:kv_cache_usage_perc") < usage_before
-    assert service_info(d.service_url)["retained"] == retained_before - 1
+    # Decode frees the blocks at its next step.
+    wait_until(
+        lambda: metric(d.url, "vllm:kv_cache_usage_perc") < usage_before,
+        timeout_s=60,
+        what=lambda: "decode's KV cache usage did not drop after the release",
+    )
+    assert service_info(d.service_url)["retained"] == 0
     assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
 
 
@@ -177,24 +173,32 @@ def test_final_turn_reuses_then_frees_decode_blocks_at_once(
 ) -> None:
     d = cluster.decodes[0].spec
     assert d.service_url
-    _no_leases_left(d.service_url)
+    no_leases_left(d.service_url)
     cid = new_id("final")
     script = conversation_script(17, 2)
     h: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     first = chat(router.url, h, conversation_id=cid)
     assert service_info(d.service_url)["retained"] == 1
+    conversation_state(router.url, cid)  # the first turn is booked: its record holds the lease
     h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
+    releases0 = metric(router.url, "agentkv_lease_releases_total")
     last = chat(router.url, h, conversation_id=cid, headers={"x-agentkv-final-turn": "true"})
     # The final turn itself still pulls the previous turn's KV and answers as a recompute does.
     assert last.headers.get("x-agentkv-reuse") == "hit"
     assert last.ids == chat(router_off.url, h).ids
     assert "x-agentkv-lease-expires-in" not in last.headers
-    # P's read freed the first turn's blocks; the final turn's own are released, not held 14 s.
+    # P's read freed the first turn's blocks; the final turn's own are released by the router (decode held
+    # no other lease, so only this one can count), not left to run out after 14 s.
+    wait_until(
+        lambda: metric(router.url, "agentkv_lease_releases_total") - releases0 >= 1,
+        timeout_s=60,
+        what=lambda: "the router did not release the final turn's blocks",
+    )
+    assert metric(router.url, "agentkv_lease_releases_total") - releases0 == 1
     wait_until(
         lambda: service_info(d.service_url)["retained"] == 0,
-        timeout_s=5,
+        timeout_s=60,
         what=lambda: "decode still holds the final turn's blocks",
-        every_s=0.1,
     )
     assert httpx.get(f"{router.url}/v1/conversations/{cid}", timeout=5).status_code == 404
 
