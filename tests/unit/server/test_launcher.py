@@ -5,7 +5,14 @@ import pytest
 
 from agentkv._exceptions import ConfigError, EngineVersionError, ModelNotFoundError, PortInUseError
 from agentkv.server.launch._cluster import ClusterConfig
-from agentkv.server.launch._launcher import GPU_DECODE_GRAPHS, Engine, EngineSpec, build_command
+from agentkv.server.launch._launcher import (
+    GPU_DECODE_GRAPHS,
+    HOST_SPEC_MODULE,
+    HOST_SPEC_NAME,
+    Engine,
+    EngineSpec,
+    build_command,
+)
 
 
 def _kv(argv: list[str]) -> dict:  # type: ignore[type-arg]
@@ -243,3 +250,51 @@ def test_the_state_file_masks_secrets_in_the_environments(tmp_path: Path) -> Non
     assert saved["env"] == {"AGENTKV_SERVICE_TOKEN": "***", "OMP_NUM_THREADS": "2"}
     assert "sk-1" not in state.read_text() and "t0ken" not in state.read_text()
     assert saved["log_dir"] == ".agentkv/logs"
+
+
+def test_the_offload_tier_is_off_by_default() -> None:
+    kv = _kv(build_command(EngineSpec(role="decode", model="/m", port=8200, service_port=9200))[0])
+    assert kv["kv_connector"] == "NixlConnector"
+    assert "connectors" not in kv["kv_connector_extra_config"]
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_the_offload_tier_goes_beside_nixl_through_multiconnector(role: str) -> None:
+    spec = EngineSpec(role=role, model="/m", port=8200, service_port=9200, kv_offload_bytes=64 << 20)  # type: ignore[arg-type]
+    kv = _kv(build_command(spec)[0])
+    plain = _kv(build_command(EngineSpec(role=role, model="/m", port=8200, service_port=9200))[0])  # type: ignore[arg-type]
+    assert kv["kv_connector"] == "MultiConnector"
+    nixl, offload = kv["kv_connector_extra_config"]["connectors"]
+    # NIXL first (MultiConnector gives a load to the first child that matches), exactly as without the tier.
+    assert nixl == plain
+    assert kv["kv_role"] == plain["kv_role"] and kv["kv_load_failure_policy"] == "recompute"
+    assert kv["kv_buffer_device"] == "cpu"
+    assert offload["kv_connector"] == "OffloadingConnector" and offload["kv_role"] == "kv_both"
+    extra = offload["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == 64 << 20
+    assert extra["offload_prompt_only"] is False  # an answer's KV is the next prompt's too
+    assert (extra["spec_name"], extra["spec_module_path"]) == (HOST_SPEC_NAME, HOST_SPEC_MODULE)
+
+
+def test_a_gpu_engine_gets_vllms_own_offloading_spec() -> None:
+    spec = EngineSpec(role="decode", model="/m", port=8200, device="gpu", kv_offload_bytes=1 << 30)
+    kv = _kv(build_command(spec)[0])
+    _, offload = kv["kv_connector_extra_config"]["connectors"]
+    assert "spec_name" not in offload["kv_connector_extra_config"]
+    assert "spec_module_path" not in offload["kv_connector_extra_config"]
+    assert "kv_buffer_device" not in kv
+
+
+def test_a_single_server_refuses_the_offload_tier() -> None:
+    with pytest.raises(ValueError, match="prefill or decode"):
+        build_command(EngineSpec(role="single", model="/m", port=8000, kv_offload_bytes=1 << 20))
+
+
+def test_the_host_spec_the_launcher_names_is_vllms_cpu_spec_with_agentkvs_worker() -> None:
+    from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
+
+    from agentkv.server.engine._connector import _tiers
+
+    assert HOST_SPEC_MODULE == _tiers.__name__ == _tiers.HOST_SPEC_MODULE
+    assert HOST_SPEC_NAME == _tiers.HOST_SPEC_NAME
+    assert issubclass(getattr(_tiers, HOST_SPEC_NAME), CPUOffloadingSpec)
