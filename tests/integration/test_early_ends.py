@@ -13,9 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agentkv.server.launch._cluster import RouterProc
-
-from ._helpers import MODEL, chat, conversation_script, metric, new_id
+from ._helpers import MODEL, RouterProc, chat, conversation_script, metric, new_id
 
 
 def _stop_string(text: str) -> tuple[str, int]:
