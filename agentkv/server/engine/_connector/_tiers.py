@@ -14,13 +14,12 @@ connector's extra config (``HOST_SPEC_NAME`` / ``HOST_SPEC_MODULE``).
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import torch
-from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import (
     BlockIDsLoadStoreSpec,
     CanonicalKVCaches,
-    GPULoadStoreSpec,
     LoadStoreSpec,
     OffloadingWorker,
     TransferResult,
@@ -33,8 +32,11 @@ HOST_SPEC_NAME = "HostOffloadingSpec"
 HOST_SPEC_MODULE = "agentkv.server.engine._connector._tiers"
 
 
-class HostCopyWorker(OffloadingWorker):
+class HostCopyWorker:
     """Stores and loads whole KV blocks between the engine's host KV cache and a host pool of chunks.
+
+    vLLM's ``OffloadingWorker`` in shape (``submit_store``, ``submit_load``, ``get_finished``, ``wait``,
+    ``shutdown``: all that vLLM's offloading worker calls), not a subclass: it overrides nothing of vLLM's.
 
     The pool is one row per (KV tensor, chunk), made on the first store to that chunk: the scheduler's
     manager hands out chunk ids below its own cap, so the pool never holds more chunks than the manager's
@@ -51,34 +53,34 @@ class HostCopyWorker(OffloadingWorker):
         self._pool: dict[tuple[int, int], torch.Tensor] = {}
         self._finished: list[TransferResult] = []
 
-    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
-        assert isinstance(dst_spec, BlockIDsLoadStoreSpec)
+    def submit_store(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        blocks, chunks = _block_ids(src_spec), _block_ids(dst_spec)
         started = time.perf_counter()
         size = 0
         for t_idx, kv in enumerate(self._tensors):
-            for block, chunk in zip(src_spec.block_ids.tolist(), dst_spec.block_ids.tolist(), strict=True):
-                row = self._pool.get((t_idx, int(chunk)))
+            for block, chunk in zip(blocks, chunks, strict=True):
+                row = self._pool.get((t_idx, chunk))
                 if row is None:
-                    self._pool[(t_idx, int(chunk))] = kv[int(block)].clone()
+                    self._pool[(t_idx, chunk)] = kv[block].clone()
                 else:
-                    row.copy_(kv[int(block)])
-                size += kv[int(block)].nbytes
+                    row.copy_(kv[block])
+                size += kv[block].nbytes
         self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
-        assert isinstance(src_spec, BlockIDsLoadStoreSpec)
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        chunks, blocks = _block_ids(src_spec), _block_ids(dst_spec)
         started = time.perf_counter()
         size = 0
         for t_idx, kv in enumerate(self._tensors):
-            for chunk, block in zip(src_spec.block_ids.tolist(), dst_spec.block_ids.tolist(), strict=True):
-                row = self._pool.get((t_idx, int(chunk)))
+            for chunk, block in zip(chunks, blocks, strict=True):
+                row = self._pool.get((t_idx, chunk))
                 if row is None:
                     # A chunk the manager called stored but this worker never wrote: fail the job, so vLLM
                     # recomputes these tokens instead of reading whatever the KV block held.
                     self._finished.append(TransferResult(job_id, False))
                     return True
-                kv[int(block)].copy_(row)
+                kv[block].copy_(row)
                 size += row.nbytes
         self._finished.append(TransferResult(job_id, True, size, time.perf_counter() - started))
         return True
@@ -90,11 +92,23 @@ class HostCopyWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         return None  # every job finished inside its submit call
 
+    def shutdown(self) -> None:
+        self._pool.clear()
+
+
+def _block_ids(spec: LoadStoreSpec) -> list[int]:
+    """Engine block ids (a GPU-side spec) or pool chunk ids (the host side's): both carry ``block_ids``."""
+    assert isinstance(spec, BlockIDsLoadStoreSpec), spec
+    ids: BlockIDsLoadStoreSpec = spec
+    return [int(i) for i in ids.block_ids.tolist()]
+
 
 class HostOffloadingSpec(CPUOffloadingSpec):
     """vLLM's CPU offloading spec, whose worker on a CPU platform is ``HostCopyWorker``."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        if not current_platform.is_cpu():
+        # Decided by where the KV cache lives, not by the platform: host memory is what this worker copies.
+        if any(t.tensor.device.type != "cpu" for t in kv_caches.tensors):
             return super().get_worker(kv_caches)
-        return HostCopyWorker(kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk)
+        worker = HostCopyWorker(kv_caches=kv_caches, blocks_per_chunk=self.blocks_per_chunk)
+        return cast(OffloadingWorker, worker)  # vLLM only calls the methods HostCopyWorker has

