@@ -116,6 +116,14 @@ def serve(
             "of computing the prompt's last token again, so a P/D answer computes what one server computes."
         ),
     ] = True,
+    kv_offload_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Host memory for vLLM's KV offload tier beside NIXL (its OffloadingConnector): blocks "
+            "the prefix cache evicts stay loadable from host memory on a later decode-local turn; 0: off "
+            "(docs/tiers.md)."
+        ),
+    ] = 0,
     log: Annotated[Path | None, typer.Option(help="Log file (default .agentkv/logs/ROLE.log).")] = None,
 ) -> None:
     """Start one vLLM server as prefill or decode, wait until healthy, run until Ctrl-C."""
@@ -128,6 +136,10 @@ def serve(
         raise typer.BadParameter("must be on, off or verify", param_hint="--tokenizer-cache")
     if forwarded_ids not in FORWARDED_IDS_MODES:
         raise typer.BadParameter("must be on, off or always", param_hint="--forwarded-ids")
+    if kv_offload_bytes > 0 and role == "single":
+        raise typer.BadParameter(
+            "the offload tier goes beside NIXL: prefill or decode", param_hint="--kv-offload-bytes"
+        )
     port = port or (8100 if role == "prefill" else 8200)
     spec = EngineSpec(
         role=role,  # type: ignore[arg-type]
@@ -149,6 +161,7 @@ def serve(
         forwarded_ids=forwarded_ids,  # type: ignore[arg-type]
         fast_json=fast_json,
         prefill_token=prefill_token,
+        kv_offload_bytes=max(0, kv_offload_bytes),
         log_path=log or Path(f".agentkv/logs/{role}.log"),
     )
     engine = Engine(spec=spec, name=role)

@@ -288,3 +288,33 @@ def test_serve_switches_the_vllm_plugin_per_engine(engine_envs: list[dict[str, s
     assert result.exit_code != 0 and "on, off or verify" in flat(result.output)
     result = invoke("serve", "decode", "--forwarded-ids", "maybe")
     assert result.exit_code != 0 and "on, off or always" in flat(result.output)
+
+
+@pytest.fixture
+def engine_kv_configs(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The --kv-transfer-config each `agentkv serve` in the test would start its engine with."""
+    import json
+
+    from agentkv.server.launch._launcher import build_command
+
+    configs: list[dict[str, Any]] = []
+
+    def no_start(engine: Any) -> None:
+        argv = build_command(engine.spec)[0]
+        configs.append(json.loads(argv[argv.index("--kv-transfer-config") + 1]))
+        raise SystemExit(0)
+
+    monkeypatch.setattr("agentkv.server.launch._launcher.Engine.start", no_start)
+    return configs
+
+
+def test_serve_kv_offload_bytes_wires_the_offload_tier_and_only_beside_nixl(
+    engine_kv_configs: list[dict[str, Any]],
+) -> None:
+    invoke("serve", "decode", "--kv-offload-bytes", str(1 << 20))
+    invoke("serve", "decode")
+    assert [c["kv_connector"] for c in engine_kv_configs] == ["MultiConnector", "NixlConnector"]
+    offload = engine_kv_configs[0]["kv_connector_extra_config"]["connectors"][1]
+    assert offload["kv_connector_extra_config"]["cpu_bytes_to_use"] == 1 << 20
+    result = invoke("serve", "single", "--kv-offload-bytes", "1024")
+    assert result.exit_code != 0 and "prefill or decode" in flat(result.output)
