@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import httpx
@@ -17,11 +16,13 @@ from ._helpers import (
     assert_agrees_up_to_rounding,
     chat,
     conversation_script,
+    held_params,
     metric,
     pd_turn,
     retained_params,
     service_call,
     service_info,
+    wait_until,
 )
 
 
@@ -86,8 +87,7 @@ def test_decode_to_prefill_pull_on_turns_2_and_3_gives_identical_tokens(cluster:
             pulled.append(service_info(ps)["stats"]["tokens_pulled"] - before)
             ids.append(turn.ids)
             history.append({"role": "assistant", "content": turn.text})
-            retained = retained_params(ds, rid)
-            assert retained is not None, "decode retained nothing"
+            retained = held_params(ds, rid)
         return ids, pulled
 
     hits0 = metric(p, "vllm:external_prefix_cache_hits_total")
@@ -129,8 +129,7 @@ def _late_turn_with_stale_params(
     script = conversation_script(seed, 2)
     history: list[dict[str, object]] = [{"role": "user", "content": script[0]}]
     first, rid = pd_turn(p, d, history)
-    stale = retained_params(ds, rid)
-    assert stale is not None
+    stale = held_params(ds, rid)
     let_go(ds, rid)
     assert retained_params(ds, rid) is None, "decode still holds the blocks"
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": script[1]}]
@@ -147,9 +146,11 @@ def test_expired_pull_recomputes_and_answers_correctly(cluster: Cluster) -> None
     def release(ds: str, rid: str) -> None:
         # Decode frees the blocks at its next step, and they may be reused at once.
         assert service_call("DELETE", f"{ds}/agentkv/v1/leases/{rid}").status_code == 200
-        deadline = time.monotonic() + 10
-        while retained_params(ds, rid) is not None and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(
+            lambda: retained_params(ds, rid) is None,
+            timeout_s=60,
+            what=lambda: "decode still advertises the released blocks",
+        )
 
     before, after = _late_turn_with_stale_params(cluster, 3, release)
     assert after["tokens_pulled"] == before["tokens_pulled"], "prefill pulled blocks that decode had released"
@@ -163,9 +164,12 @@ def test_lease_expiry_recomputes_and_answers_correctly(cluster: Cluster) -> None
         held = service_call("GET", f"{ds}/agentkv/v1/retained/{rid}").json()
         assert 0 < held["expires_in_s"] <= LEASE_S
         # The agent's tool runs longer than the lease; nobody renews it. Polled: decode drops it at expiry.
-        deadline = time.monotonic() + held["expires_in_s"] + 10
-        while retained_params(ds, rid) is not None and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(
+            lambda: retained_params(ds, rid) is None,
+            timeout_s=held["expires_in_s"] + 60,
+            what=lambda: "decode still advertises blocks whose lease ran out",
+            every_s=0.5,
+        )
 
     before, after = _late_turn_with_stale_params(cluster, 4, outlast_the_lease)
     assert after["refused_released"] == before["refused_released"] + 1

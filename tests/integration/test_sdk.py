@@ -13,7 +13,18 @@ from agentkv import Session, Tool
 from agentkv.server.launch._cluster import Cluster
 
 from ._clusters import LEASE_S
-from ._helpers import MODEL, RouterProc, conversation_script, metric, service_info
+from ._helpers import (
+    MODEL,
+    RouterProc,
+    conversation_script,
+    conversation_state,
+    metric,
+    no_leases_left,
+    router_turns,
+    service_info,
+    wait_turns_counted,
+    wait_until,
+)
 
 TOOL_SLEEP_S = LEASE_S + 3  # every tool outlives the decode lease
 
@@ -64,16 +75,17 @@ def test_without_heartbeats_slow_tools_lose_the_kv(router: RouterProc) -> None:
 def test_closing_the_session_frees_decode_blocks(cluster: Cluster, router: RouterProc) -> None:
     ds = cluster.decodes[0].spec.service_url
     assert ds
+    no_leases_left(ds)  # so that decode's count is this session's alone
     s = Session(base_url=f"{router.url}/v1", model=MODEL)
     s.chat(conversation_script(410, 1)[0], max_tokens=8, temperature=0)
-    retained = service_info(ds)["retained"]
-    assert retained >= 1
-    assert httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).status_code == 200
+    assert service_info(ds)["retained"] == 1
+    conversation_state(router.url, s.conversation_id)  # booked after the answer reached the session
     s.close()
-    deadline = time.monotonic() + 10
-    while service_info(ds)["retained"] >= retained and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert service_info(ds)["retained"] == retained - 1
+    wait_until(
+        lambda: service_info(ds)["retained"] == 0,
+        timeout_s=60,
+        what=lambda: "decode still holds the closed session's blocks",
+    )
     assert httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).status_code == 404
 
 
@@ -82,7 +94,7 @@ def test_langchain_adapter_carries_the_conversation(router: RouterProc) -> None:
 
     from agentkv.integrations.langchain import AgentKVChatOpenAI
 
-    hits0 = metric(router.url, "agentkv_reuse_total", result="hit")
+    turns0, hits0 = router_turns(router.url), metric(router.url, "agentkv_reuse_total", result="hit")
     with Session(base_url=f"{router.url}/v1", model=MODEL) as s:
         llm = AgentKVChatOpenAI.from_session(s, max_tokens=8, temperature=0)
         script = conversation_script(420, 2)
@@ -93,6 +105,7 @@ def test_langchain_adapter_carries_the_conversation(router: RouterProc) -> None:
         assert chunks
         state = httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).json()
         assert state["retained_tokens"] > 0
+    wait_turns_counted(router.url, turns0, 2)  # a streamed turn is counted after its last byte
     assert metric(router.url, "agentkv_reuse_total", result="hit") == hits0 + 1
     assert [t.reuse for t in llm.turns] == ["miss", "hit"]  # the router's headers reach the adapter's stats
 
@@ -104,7 +117,7 @@ async def test_langchain_adapter_async_paths_carry_the_conversation(
 
     from agentkv.integrations.langchain import AgentKVChatOpenAI
 
-    hits0 = metric(router.url, "agentkv_reuse_total", result="hit")
+    turns0, hits0 = router_turns(router.url), metric(router.url, "agentkv_reuse_total", result="hit")
     with Session(base_url=f"{router.url}/v1", model=MODEL) as s:
         llm = AgentKVChatOpenAI.from_session(s, max_tokens=8, temperature=0)
         script = conversation_script(440, 2)
@@ -115,6 +128,7 @@ async def test_langchain_adapter_async_paths_carry_the_conversation(
         assert streamed
         state = httpx.get(f"{router.url}/v1/conversations/{s.conversation_id}", timeout=5).json()
         assert state["retained_tokens"] > 0
+    wait_turns_counted(router.url, turns0, 2)  # a streamed turn is counted after its last byte
     assert metric(router.url, "agentkv_reuse_total", result="hit") == hits0 + 1
     assert [t.reuse for t in llm.turns] == ["miss", "hit"]
     assert llm.turns[1].streamed and llm.turns[1].ttft_s is not None
