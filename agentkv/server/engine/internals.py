@@ -129,7 +129,8 @@ INTERNALS: tuple[Internal, ...] = (
             ("update_connector_output", "finished reads release the blocks they leased"),
             (
                 "request_finished",
-                "a finished request's blocks leased (or declined at the cap), not pinned; one aborted after it generated (a stop string, a client gone) kept as if stopped",
+                "a finished request's blocks leased (or declined at the cap), not pinned; one aborted after "
+                "it generated (a stop string, a client gone) kept as if stopped",
             ),
             ("shutdown", "the retention service stopped with the engine"),
         )

@@ -25,9 +25,9 @@ Retained = dict[str, Any]  # the service's answer: request_id, kv_transfer_param
 _TOKENS_IN = (0, 32)
 
 
-# How long decode's service may wait for a request to finish before answering a lookup (it answers as soon
-# as the request has finished, retained or not).
-_FINISH_WAIT_MS = 2000
+# The longest decode's service may wait for a request to finish before answering a lookup (it answers as soon
+# as the request has finished, retained or not); at most half the control-call timeout, so it answers in time.
+_FINISH_WAIT_S = 1.0
 
 
 class LeaseClient:
@@ -41,6 +41,7 @@ class LeaseClient:
         self._timeout = httpx.Timeout(timeout_s)
         self._retries = retries
         self._headers = service_headers(token)
+        self._finish_wait_ms = int(min(_FINISH_WAIT_S, timeout_s / 2) * 1000)
 
     async def _call(self, method: str, url: str, json: Any = None) -> httpx.Response | None:
         try:
@@ -117,7 +118,7 @@ class LeaseClient:
         """What decode retained for our request. Decode's bookkeeping can trail the answer's last byte (by a
         scheduler step, or by the abort that follows a client's stop string): agentkv's service waits until
         the request has finished (`wait_ms`); a service that does not is asked again briefly."""
-        url = f"{decode.backend.control_url}/agentkv/v1/retained/{request_id}?wait_ms={_FINISH_WAIT_MS}"
+        url = f"{decode.backend.control_url}/agentkv/v1/retained/{request_id}?wait_ms={self._finish_wait_ms}"
         for attempt in range(self._retries):
             resp = await self._call("GET", url)
             if resp is not None and resp.status_code == 200:

@@ -105,10 +105,11 @@ def test_a_lookup_waits_for_its_request_to_finish(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(_service.time, "sleep", lambda _s: next(finishing, lambda: None)())
     status, body = svc.handle("GET", "/agentkv/v1/retained/late?wait_ms=2000", {})
     assert status == 200 and body["num_tokens"] == 7
-    # Finished without a lease (declined at the cap): answered at once, not after the wait.
-    svc.finished("chatcmpl-declined-1")
+    # Finished without a lease (declined at the cap): answered at once, not after the wait, found under
+    # the router's id as vLLM spells it (chatcmpl-<id>-<suffix>).
+    svc.finished("chatcmpl-declined-1f2e3d")
     monkeypatch.setattr(_service.time, "sleep", lambda _s: pytest.fail("waited for a finished request"))
-    assert svc.handle("GET", "/agentkv/v1/retained/chatcmpl-declined-1?wait_ms=2000", {})[0] == 404
+    assert svc.handle("GET", "/agentkv/v1/retained/declined?wait_ms=2000", {})[0] == 404
     assert svc.handle("GET", "/agentkv/v1/retained/unknown?wait_ms=0", {})[0] == 404
     for bad in ("nan", "1e9x", "-"):
         assert svc.handle("GET", f"/agentkv/v1/retained/x?wait_ms={bad}", {})[0] == 400

@@ -126,8 +126,10 @@ class RetentionService:
                 self._finished.popitem(last=False)
 
     def _is_finished(self, request_id: str) -> bool:
+        """Matched as leases are (`LeaseTable.resolve`): vLLM turns the router's id into
+        ``chatcmpl-<id>-<suffix>``. Newest first: the request looked up has usually just finished."""
         with self._finished_lock:
-            return request_id in self._finished
+            return request_id in self._finished or any(request_id in rid for rid in reversed(self._finished))
 
     def _lookup(self, request_id: str, wait_s: float) -> dict[str, Any] | None:
         """The request's lease, waiting up to `wait_s` for the request to finish. An answer can reach the
