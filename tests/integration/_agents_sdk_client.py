@@ -3,9 +3,9 @@
 ``openai-agents`` needs openai >= 3, which cannot live in the suite's environment (llama-index-llms-openai
 pins openai < 3), so this script runs with the side directory scripts/test.sh installs on its ``PYTHONPATH``.
 
-Usage: ``python _agents_sdk_client.py ROUTER_URL MODEL API CONVERSATION_ID TOOL_STEPS``; ``API`` is ``chat``
-(``OpenAIChatCompletionsModel``) or ``responses`` (``OpenAIResponsesModel``). Prints one JSON object: every
-model call's status and agentkv headers, the tool calls the SDK ran and the final output of each run.
+Usage: ``python _agents_sdk_client.py ROUTER_URL MODEL API CONVERSATION_ID TOOL_STEPS PROMPT``; ``API`` is
+``chat`` (``OpenAIChatCompletionsModel``) or ``responses`` (``OpenAIResponsesModel``). Prints one JSON object:
+every model call's status and agentkv headers, the tool calls the SDK ran and the final output of each run.
 
 The tiny model emits random text and never calls a tool by itself, so the loop is driven through the SDK's
 own settings, not by faking model output. Run 1: ``tool_choice="required"`` with ``reset_tool_choice=False``
@@ -57,7 +57,9 @@ def lookup(table: Literal["orders", "users"]) -> str:
     return f"{table}: 42 rows"
 
 
-async def main(router_url: str, model_name: str, api: str, conversation_id: str, tool_steps: int) -> None:
+async def main(
+    router_url: str, model_name: str, api: str, conversation_id: str, tool_steps: int, prompt: str
+) -> None:
     calls: list[dict[str, Any]] = []
 
     async def record(response: httpx2.Response) -> None:
@@ -101,7 +103,6 @@ async def main(router_url: str, model_name: str, api: str, conversation_id: str,
         tool_use_behavior=stop_after_steps,
     )
     config = RunConfig(tracing_disabled=True)
-    prompt = f"{conversation_id}: how many rows do the orders and users tables have? Check each one."
     first = await Runner.run(agent, prompt, run_config=config, max_turns=tool_steps + 1)
     calls_first = len(calls)
     # Run 2: the SDK's default reset_tool_choice on the history of run 1 plus a new user message.
@@ -122,5 +123,5 @@ async def main(router_url: str, model_name: str, api: str, conversation_id: str,
 
 
 if __name__ == "__main__":
-    url, model_name, api, conversation_id, steps = sys.argv[1:6]
-    asyncio.run(main(url, model_name, api, conversation_id, int(steps)))
+    url, model_name, api, conversation_id, steps, prompt = sys.argv[1:7]
+    asyncio.run(main(url, model_name, api, conversation_id, int(steps), prompt))

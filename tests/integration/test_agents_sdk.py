@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ._helpers import MODEL, RouterProc, new_id
+from ._helpers import MODEL, RouterProc, conversation_script, new_id
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where scripts/test.sh installs openai-agents and its openai 3 (AGENTKV_AGENTS_SDK_DIR overrides).
@@ -33,7 +33,9 @@ def test_agents_sdk_tool_loop_reuses_decode_kv_after_the_first_call(api: str, ro
     if not (SIDE_DIR / "agents").is_dir():
         pytest.skip(f"openai-agents is not installed in {SIDE_DIR} (scripts/test.sh installs it)")
     conversation_id = new_id(f"agents-{api}")
-    argv = [sys.executable, str(CLIENT), router.url, MODEL, api, conversation_id, str(TOOL_STEPS)]
+    # The same prompt in every run (the id only keys the router): what the model writes is no draw per run.
+    prompt = conversation_script(450, 1)[0]
+    argv = [sys.executable, str(CLIENT), router.url, MODEL, api, conversation_id, str(TOOL_STEPS), prompt]
     # The side directory first: its openai 3 must shadow the suite's openai 2.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SIDE_DIR), str(ROOT)])}
     proc = subprocess.run(
