@@ -88,7 +88,7 @@ class RouterMetrics:
         self.reuse_by_result = Children(self.reuse, "result")
         self.path_decisions_by_path = Children(self.path_decisions, "path")
         # Exported at zero from the start, so dashboards see every series before it first moves.
-        for result in ("hit", "miss", "expired", "declined", "mismatch", "none", "local"):
+        for result in ("hit", "miss", "expired", "declined", "mismatch", "none", "local", "cached"):
             self.reuse_by_result[result]
         for path in ("pull", "recompute", "decode-local"):
             self.turns_by_path[path]
