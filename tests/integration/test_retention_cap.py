@@ -18,7 +18,7 @@ from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
-from ._helpers import MODEL, chat, pd_turn, retained_params, service_info
+from ._helpers import MODEL, chat, held_params, pd_turn, retained_params, service_info
 
 P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
 BLOCK, TOTAL_BLOCKS = 32, 160
@@ -70,8 +70,8 @@ def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(
 
     first = _messages(p.url, 1)
     turn_a, rid_a = pd_turn(p.url, d.url, first, max_tokens=8, timeout_s=TURN_TIMEOUT_S)
-    held_a = retained_params(d.service_url, rid_a)
-    assert held_a is not None and held_a["remote_num_tokens"] > 1000
+    held_a = held_params(d.service_url, rid_a)
+    assert held_a["remote_num_tokens"] > 1000
     blocks_a = service_info(d.service_url)["retained_blocks"] - base
     assert 40 <= blocks_a <= TOTAL_BLOCKS // 2 - base
 
