@@ -36,6 +36,7 @@ from ._helpers import (
     pd_turn,
     service_call,
     service_info,
+    wait_until,
 )
 
 P_PORT, D_PORT, SIDE_PORT = 27100, 27200, 9400
@@ -152,7 +153,16 @@ def _conversation(
     ]
     before = _sources(d.url)
     turn3 = _decode_local(d.url, third, salt=f"direct-{rid2}")  # pd_turn's salt of turn 2 on decode
-    return turn3, _delta(_sources(d.url), before), third
+    # vLLM records a step's counters after it hands the step's output over: they may trail the response.
+    delta: dict[str, float] = {}
+
+    def counted() -> bool:
+        delta.update(_delta(_sources(d.url), before))
+        prompt = sum(delta[s] for s in ("local_compute", "local_cache_hit", "external_kv_transfer"))
+        return prompt > 0 and (delta["restored_bytes"] > 0 or delta["external_kv_transfer"] == 0)
+
+    wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
+    return turn3, delta, third
 
 
 def test_a_conversation_evicted_in_its_tool_gap_is_restored_from_the_host_tier_bit_for_bit(
