@@ -232,8 +232,17 @@ def _stream(
 
 
 def run_leg(
-    leg: str, url: str, model: str, *, behaviours: Sequence[str], turns: int, seed: int
+    leg: str,
+    url: str,
+    model: str,
+    *,
+    tokenize_url: str,
+    behaviours: Sequence[str],
+    turns: int,
+    seed: int,
 ) -> list[dict[str, Any]]:
+    """One leg's conversations through ``url``; prompts counted by ``tokenize_url`` (an engine: the router
+    serves no ``/tokenize``)."""
     rows: list[dict[str, Any]] = []
     with httpx.Client() as client:
         for behaviour in behaviours:
@@ -244,7 +253,7 @@ def run_leg(
                 headers = {"x-session-id": cid}
                 if turn == turns - 1:
                     headers["x-agentkv-final-turn"] = "true"
-                prompt = _prompt_tokens(client, url, model, messages)
+                prompt = _prompt_tokens(client, tokenize_url, model, messages)
                 before = _local_cache_hits(url) if leg == "prefix_cache" else 0.0
                 got = _stream(client, url, request.body(model, messages), headers, request.leave_after_chunks)
                 if leg == "prefix_cache":
@@ -310,7 +319,13 @@ def run_on(args: argparse.Namespace, model: str) -> list[dict[str, Any]]:
         with router:
             url = f"http://127.0.0.1:{PORTS['router']}"
             return run_leg(
-                "on", url, args.served_model, behaviours=args.behaviours, turns=args.turns, seed=args.seed
+                "on",
+                url,
+                args.served_model,
+                tokenize_url=p_url,
+                behaviours=args.behaviours,
+                turns=args.turns,
+                seed=args.seed,
             )
     finally:
         cluster.down()
@@ -342,6 +357,7 @@ def run_prefix_cache(args: argparse.Namespace, model: str) -> list[dict[str, Any
             "prefix_cache",
             spec.url,
             args.served_model,
+            tokenize_url=spec.url,
             behaviours=args.behaviours,
             turns=args.turns,
             seed=args.seed,
