@@ -70,7 +70,8 @@ TOOL_WORDS = 60
 ANSWER_TOKENS = 16
 LEAVE_AFTER_CHUNKS = 4
 LEFT_ANSWER_TOKENS = 400  # long enough that the client leaves while decode is still generating
-PORTS = {"prefill": 25500, "decode": 25600, "side": 9800, "router": 25700, "single": 25800}
+# Clear of the tests' and other benches' ports (an engine's service listens 1,000 above it).
+PORTS = {"prefill": 27500, "decode": 27600, "side": 9800, "router": 27700, "single": 27800}
 
 Messages = list[dict[str, Any]]
 
