@@ -64,8 +64,8 @@ MAX_MODEL_LEN = 4096
 STOP = ["e", "a", "o"]
 FORMAT_ERROR = "Format error: please always provide EXACTLY ONE action in triple backticks."
 # The first message's words: ~1,200 tokens for most behaviours, ~2,800 for `declined` (past the cap).
-FIRST_WORDS = {"declined": 1500}
-DEFAULT_FIRST_WORDS = 640
+FIRST_WORDS = {"declined": 870}
+DEFAULT_FIRST_WORDS = 320
 TOOL_WORDS = 60
 ANSWER_TOKENS = 16
 LEAVE_AFTER_CHUNKS = 4
