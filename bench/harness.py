@@ -18,8 +18,9 @@ builds them (``next_messages``):
 Legs, each on engines of their own with the same requests: ``on`` is a 1P1D cluster as ``agentkv up``
 starts it (agentkv's engines, prefill and decode prefix caching on, 160 blocks of 32 tokens each) behind
 the router with its default settings; ``prefix_cache`` is one vLLM server with its prefix cache and the KV
-of both (320 blocks), the client talking to it directly. A behaviour's last turn on ``on`` says it is the
-final one, so a conversation's retained blocks do not take the room of the next behaviour's.
+of both (320 blocks), the client talking to it directly. After a behaviour's last turn on ``on`` the client
+deletes its conversation (``DELETE /v1/conversations/{id}``), so its retained blocks do not take the room
+of the next behaviour's.
 
 Per turn: prompt tokens (the server's ``/tokenize`` of the request), tokens reused (``on``: the router's
 ``x-agentkv-reused-tokens``, what prefill did not compute from either cache or, on a decode-local turn, what
@@ -63,7 +64,7 @@ MAX_MODEL_LEN = 4096
 # Characters frequent in the tiny model's answers: a greedy answer of 16 tokens ends on one of them.
 STOP = ["e", "a", "o"]
 FORMAT_ERROR = "Format error: please always provide EXACTLY ONE action in triple backticks."
-# The first message's words: ~1,200 tokens for most behaviours, ~2,800 for `declined` (past the cap).
+# The first message's words (~3 tokens each): ~1,000 tokens for most behaviours, ~2,800 for `declined`.
 FIRST_WORDS = {"declined": 870}
 DEFAULT_FIRST_WORDS = 320
 TOOL_WORDS = 60
@@ -252,8 +253,6 @@ def run_leg(
             cid = f"harness-{seed}-{behaviour}"
             for turn in range(turns):
                 headers = {"x-session-id": cid}
-                if turn == turns - 1:
-                    headers["x-agentkv-final-turn"] = "true"
                 prompt = _prompt_tokens(client, tokenize_url, model, messages)
                 before = _local_cache_hits(url) if leg == "prefix_cache" else 0.0
                 got = _stream(client, url, request.body(model, messages), headers, request.leave_after_chunks)
@@ -281,6 +280,10 @@ def run_leg(
                 messages = next_messages(
                     behaviour, messages, answer, tool_result(behaviour, seed=seed, turn=turn + 1)
                 )
+            if leg == "on":
+                # The conversation ends, untimed: its retained blocks must not take the next one's room. Not
+                # `x-agentkv-final-turn` on its last turn, which would change how that turn is served.
+                client.delete(f"{url}/v1/conversations/{cid}", timeout=30).raise_for_status()
     return rows
 
 
