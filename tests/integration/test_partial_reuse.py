@@ -61,8 +61,10 @@ def _common(a: list[int], b: list[int]) -> int:
 
 
 def _whole_matching(held: list[int], new: list[int]) -> int:
-    """The tokens of the whole blocks of `held` that `new` starts with, leaving it two to compute."""
-    return min(_common(held, new), len(held), len(new) - 2) // CPU_BLOCK * CPU_BLOCK
+    """The tokens of the whole blocks of `held` that `new` starts with, leaving it two tokens to compute, and
+    a block where fewer than 16 would be left (`agentkv._wire.pullable_tokens`)."""
+    n = min(_common(held, new), len(held), len(new) - 2) // CPU_BLOCK * CPU_BLOCK
+    return n - CPU_BLOCK if n > 0 and len(new) - n < 16 else n
 
 
 # Each later prompt from a two-turn history [u0, a1, u1] (answered a2): what an agent sends next.

@@ -22,6 +22,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from agentkv._wire import pullable_tokens
+
 __all__ = ["MAX_CHECKPOINTS", "TokenMatch", "TokenPrefix", "block_chain"]
 
 # Block digests kept per conversation: at most this many, 16 bytes each (8 KiB, whatever the conversation's
@@ -29,9 +31,6 @@ __all__ = ["MAX_CHECKPOINTS", "TokenMatch", "TokenPrefix", "block_chain"]
 # `stride`-th block, the stride doubling as the conversation grows.
 MAX_CHECKPOINTS = 512
 _DIGEST = 16
-# Tokens a reused prompt leaves to compute at least, as prefill's connector does: a one-token step runs the
-# decode-path kernels, and prefill's prefix cache could keep that KV for later turns.
-_MIN_COMPUTE = 2
 
 
 def _digest(ids: Sequence[int], n: int) -> str:
@@ -80,8 +79,8 @@ class TokenMatch:
 
     `extends`: it starts with all of them and adds enough (decode's whole offer is reused). Else `verified`
     leading tokens (whole blocks) are proven equal by the router's digests and at most `bound` may be: the
-    true match lies between (equal where every block is a checkpoint). Both leave the prompt at least two
-    tokens to compute."""
+    true match lies between (equal where every block is a checkpoint). Both leave the prompt tokens to
+    compute as `agentkv._wire.pullable_tokens` says."""
 
     extends: bool
     verified: int
@@ -170,7 +169,8 @@ class TokenPrefix:
         if self.extended_by(ids):
             return TokenMatch(extends=True, verified=self.held, bound=self.held)
         size = self.block_size
-        limit = min(self.blocks, max(len(ids) - _MIN_COMPUTE, 0) // size) if size > 0 else 0
+        # As prefill's connector cuts its pull (`pullable_tokens`), so this count is what is pulled.
+        limit = pullable_tokens(len(ids), self.blocks * size, size, whole=True) // size if size > 0 else 0
         if limit <= 0 or not self.last:
             return TokenMatch(extends=False, verified=0, bound=0)
         try:

@@ -47,10 +47,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def whole_matching_blocks(held: list[int], new: list[int], block_size: int) -> int:
-    """The naive answer: tokens in the whole blocks of `held` that `new` repeats, leaving `new` at least
-    two tokens to compute."""
-    blocks = min(common_prefix(held, new), len(held), max(len(new) - 2, 0)) // block_size
-    return blocks * block_size
+    """The naive answer: tokens in the whole blocks of `held` that `new` repeats, leaving `new` at least two
+    tokens to compute, and a block where fewer than 16 would be left."""
+    n = min(common_prefix(held, new), len(held), len(new) - 2) // block_size * block_size
+    while n > 0 and len(new) - n < min(16, block_size):
+        n -= block_size
+    return max(n, 0)
 
 
 @st.composite
@@ -136,7 +138,8 @@ def test_records_keep_the_chain_through_both_stores_encodings(
 def test_records_without_or_with_garbled_digests_match_only_a_whole_prefix() -> None:
     ids = list(range(1, 41))
     held = TokenPrefix.of(ids, offered=40, exact=False, block_size=4)
-    assert held is not None and held.match([*ids[:20], 9, 9, 9]).verified == 20
+    # 20 ids shared, 3 added: 16 reused, so that a block (of 4) is left, not 3 tokens.
+    assert held is not None and held.match([*ids[:20], 9, 9, 9]).verified == 16
     old = {"held": 40, "must_exceed": 40, "digest": held.digest}  # a record written before the chain
     garbled: list[dict[str, Any]] = [
         {**held.to_json(), "chain": held.chain[:-4]},
@@ -250,7 +253,7 @@ async def test_a_repeated_request_reuses_the_whole_blocks_leaving_two_tokens(
     ids = render_ids({"model": "tiny", "messages": USER1, "max_tokens": 8})
     offer = [b for b, _ in engines.requests("p", GENERATE)][1]["kv_transfer_params"]
     assert again.headers["x-agentkv-reuse"] == "hit"
-    assert offer["remote_num_tokens"] == (len(ids) - 2) // 4 * 4
+    assert offer["remote_num_tokens"] == (len(ids) - 4) // 4 * 4  # a regenerate: a block (of 4) left
 
 
 async def test_a_prompt_that_shares_no_whole_block_recomputes(engines: FakeEngines, make_client) -> None:

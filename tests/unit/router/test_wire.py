@@ -558,3 +558,25 @@ def test_the_default_offer_is_what_vllms_prefix_cache_would_reuse() -> None:
     assert prefix_cache_tokens(320, 16) == 320
     assert prefix_cache_tokens(15, 16) == 0
     assert prefix_cache_tokens(0, 128) == 0
+
+
+@given(
+    st.integers(min_value=0, max_value=5000),
+    st.integers(min_value=0, max_value=5000),
+    st.sampled_from([4, 16, 64, 128]),
+    st.booleans(),
+)
+def test_a_reused_prompt_never_leaves_a_handful_of_tokens_to_compute(
+    num_prompt: int, available: int, block_size: int, whole: bool
+) -> None:
+    from agentkv._wire import pullable_tokens
+
+    n = pullable_tokens(num_prompt, available, block_size, whole=whole)
+    assert 0 <= n <= available and (n == 0 or num_prompt - n >= 2)
+    if whole:
+        assert n % block_size == 0
+    left = num_prompt - n
+    # Fewer than 16 left only where a whole block is: the step is then at least a block (never 2 tokens).
+    assert n == 0 or left >= 16 or (n % block_size == 0 and left >= block_size)
+    # And it gives up no more than that rule needs: the 16 tokens, a block, and the cut to a whole block.
+    assert n >= min(available, num_prompt - 2) - 2 * block_size - 16

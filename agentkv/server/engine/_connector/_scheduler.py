@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
 
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
-from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens
+from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens, pullable_tokens
 from agentkv.server.engine._connector._block_hashes import install as install_hash_reuse
 from agentkv.server.engine._connector._cached import CachedPrompts, calling_scheduler, pool_lookup
 from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
@@ -242,9 +242,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             new_tokens=request.num_prompt_tokens - max(verified, num_computed),
             context=request.num_prompt_tokens,
         )
-        # At least two tokens left to compute: a one-token step (a regenerate with the router guard off) takes
-        # the decode-path kernels, and prefill's prefix cache would keep that KV for later turns.
-        allowed = min(verified, max(0, request.num_prompt_tokens - 2)) if pull else 0
+        # Never a step of a handful of tokens (a regenerate offered its whole prompt, router guard off).
+        allowed = (
+            pullable_tokens(request.num_prompt_tokens, verified, self.block_size, whole=False) if pull else 0
+        )
         # Cut even when every offered token is pulled: a stock decode's list runs on over its generated
         # tokens, and a router may have trimmed the tokens only.
         params.update(cut_offer(params, allowed, self.block_size))
