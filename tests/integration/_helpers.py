@@ -363,3 +363,25 @@ def conversation_state(router_url: str, conversation_id: str, *, timeout_s: floa
 
     wait_until(stored, timeout_s=timeout_s, what=lambda: f"the router has no record of {conversation_id}")
     return state[0]
+
+
+def messages_under(url: str, seed: int, tokens: int, *, words: int, start: int) -> list[dict[str, Any]]:
+    """A user message whose rendered prompt is just under `tokens` (counted by an engine's /tokenize): the
+    first `start` of `words` generated words, grown until the next one would pass `tokens`."""
+    import random
+
+    rng = random.Random(seed)
+    pool = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(words)]
+    n = start
+    while True:
+        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(pool[:n])}]
+        r = httpx.post(
+            f"{url}/tokenize",
+            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        count = int(r.json()["count"])
+        if count > tokens:
+            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(pool[: n - 1])}]
+        n += max(1, (tokens - count) // 4)

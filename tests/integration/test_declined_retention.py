@@ -10,17 +10,15 @@ else runs on this cluster during the test, so decode's counters move for these t
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-import httpx
 import pytest
 
 from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
-from ._helpers import MODEL, assert_agrees_up_to_rounding, chat, metric, service_info
+from ._helpers import assert_agrees_up_to_rounding, chat, messages_under, metric, service_info
 
 P_PORT, D_PORT, SIDE_PORT = 26500, 26600, 9100
 BLOCK, TOTAL_BLOCKS = 32, 160
@@ -43,22 +41,7 @@ def small_decode(clusters: Clusters) -> Cluster:
 
 
 def _messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
-    """A user message whose rendered prompt is just under PROMPT_TOKENS (counted by prefill's /tokenize)."""
-    rng = random.Random(seed)
-    words = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(4000)]
-    n = 600
-    while True:
-        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[:n])}]
-        r = httpx.post(
-            f"{prefill_url}/tokenize",
-            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
-            timeout=30,
-        )
-        assert r.status_code == 200, r.text
-        count = int(r.json()["count"])
-        if count > PROMPT_TOKENS:
-            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[: n - 1])}]
-        n += max(1, (PROMPT_TOKENS - count) // 4)
+    return messages_under(prefill_url, seed, PROMPT_TOKENS, words=4000, start=600)
 
 
 def _sources(decode_url: str) -> tuple[float, float]:

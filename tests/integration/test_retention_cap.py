@@ -8,17 +8,15 @@ such turns would leave decode no blocks to schedule them and they would hang (bo
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-import httpx
 import pytest
 
 from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
-from ._helpers import MODEL, chat, held_params, pd_turn, retained_params, service_info
+from ._helpers import chat, held_params, messages_under, pd_turn, retained_params, service_info
 
 P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
 BLOCK, TOTAL_BLOCKS = 32, 160
@@ -43,22 +41,7 @@ def capped(clusters: Clusters) -> Cluster:
 
 
 def _messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
-    """A user message whose rendered prompt is just under PROMPT_TOKENS (counted by prefill's /tokenize)."""
-    rng = random.Random(seed)
-    words = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(2000)]
-    n = 300
-    while True:
-        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[:n])}]
-        r = httpx.post(
-            f"{prefill_url}/tokenize",
-            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
-            timeout=30,
-        )
-        assert r.status_code == 200, r.text
-        count = int(r.json()["count"])
-        if count > PROMPT_TOKENS:
-            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[: n - 1])}]
-        n += max(1, (PROMPT_TOKENS - count) // 4)
+    return messages_under(prefill_url, seed, PROMPT_TOKENS, words=2000, start=300)
 
 
 def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(capped: Cluster) -> None:

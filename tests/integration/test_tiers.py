@@ -14,12 +14,10 @@ decode's KV cache (the tier copies bytes), and the answer of a recompute up to r
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from agentkv.server.launch._cluster import Cluster
@@ -27,11 +25,11 @@ from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters, cluster_config
 from ._helpers import (
-    MODEL,
     Turn,
     assert_agrees_up_to_rounding,
     chat,
     held_params,
+    messages_under,
     metric,
     pd_turn,
     service_call,
@@ -77,22 +75,7 @@ def tiered(clusters: Clusters, model_dir: Path) -> Iterator[Cluster]:
 
 
 def _messages(url: str, seed: int) -> list[dict[str, Any]]:
-    """A user message whose rendered prompt is just under PROMPT_TOKENS (counted by an engine's /tokenize)."""
-    rng = random.Random(seed)
-    words = [f"{rng.choice('abcdefghij')}{rng.randint(0, 999)}" for _ in range(1200)]
-    n = 150
-    while True:
-        messages = [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[:n])}]
-        r = httpx.post(
-            f"{url}/tokenize",
-            json={"model": MODEL, "messages": messages, "add_generation_prompt": True},
-            timeout=30,
-        )
-        assert r.status_code == 200, r.text
-        count = int(r.json()["count"])
-        if count > PROMPT_TOKENS:
-            return [{"role": "user", "content": f"conversation {seed}: " + " ".join(words[: n - 1])}]
-        n += max(1, (PROMPT_TOKENS - count) // 4)
+    return messages_under(url, seed, PROMPT_TOKENS, words=1200, start=150)
 
 
 def _decode_local(decode_url: str, messages: list[dict[str, Any]], salt: str) -> Turn:
