@@ -102,11 +102,15 @@ class HeartbeatLease:
         self.table = LeaseTable(
             lease_s=lease_s, max_lease_s=max_lease_s, clock=clock, capacity_blocks=capacity_blocks
         )
+        self._next_block = 0  # every retention its own blocks: the replay shares none between turns
 
     def add(self, request_id: str, num_tokens: int, num_blocks: int, in_use: int) -> float:
         # The table keeps its own count of retained blocks and applies its own cap (``in_use`` unused).
         params = {"remote_request_id": request_id}
-        return float(self.table.add(request_id, params, num_tokens, num_blocks=num_blocks))
+        first, self._next_block = self._next_block, self._next_block + num_blocks
+        return float(
+            self.table.add(request_id, params, num_tokens, block_ids=range(first, first + num_blocks))
+        )
 
     def heartbeat(self, request_id: str) -> float | None:
         answer = self.table.renew(request_id, self._lease_s)

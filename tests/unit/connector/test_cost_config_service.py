@@ -258,12 +258,12 @@ def test_mean_position_of_a_step_weights_requests_by_their_tokens() -> None:
 
 
 def test_blocks_a_finished_request_holds_are_counted_per_group_or_flat() -> None:
-    from agentkv.server.engine._connector._scheduler import _count_blocks
+    from agentkv.server.engine._connector._scheduler import _block_keys
 
-    assert _count_blocks(([1, 2, 3],)) == 3  # one KV cache group
-    assert _count_blocks(([1, 2], [7, 8, 9])) == 5  # groups share one pool: every block counts
-    assert _count_blocks([4, 5]) == 2  # older vLLM: a flat list
-    assert _count_blocks(()) == 0 and _count_blocks(None) == 0
+    assert _block_keys(([1, 2, 3],)) == [1, 2, 3]  # one KV cache group
+    assert _block_keys(([1, 2], [7, 8, 9])) == [1, 2, 7, 8, 9]  # groups share one pool: every block counts
+    assert _block_keys([4, 5]) == [4, 5]  # older vLLM: a flat list
+    assert _block_keys(()) == [] and _block_keys(None) == []
 
 
 def test_a_token_guards_every_lease_route_but_not_metrics() -> None:

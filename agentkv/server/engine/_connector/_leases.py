@@ -16,12 +16,17 @@ the longest-retained lease to admit the new one was measured and lost (``python 
 capped scenario, row "evict oldest": hit rate 0.33 vs 0.50): most new retentions belong to conversations
 that never continue, while a lease that survived its heartbeats belongs to one that does. Never evicting
 also means no lease can be freed under a NIXL read that prefill already started.
+
+Room is counted in distinct blocks: a conversation's next turn served decode-local reuses the blocks its
+previous turn's lease holds (vLLM's prefix cache hands it the same block ids), and until the router releases
+that lease both cover them. Counting per lease charged those blocks twice and declined the newer turn's
+retention once a conversation passed half the cap.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +39,7 @@ class Retained:
     params: dict[str, Any]
     deadline: float
     num_tokens: int
-    num_blocks: int = 0
+    block_ids: frozenset[Hashable] = frozenset()
 
 
 @dataclass
@@ -63,41 +68,75 @@ class LeaseTable:
         self._lock = threading.Lock()
         self._retained: dict[str, Retained] = {}  # insertion order = retention order (oldest first)
         self._pending = _Pending()
+        # How many counted leases hold each block, kept as leases come and go so that a retention's check
+        # costs its own blocks, not a union over every lease (it runs on vLLM's scheduler thread).
+        self._refs: dict[Hashable, int] = {}
+        self._counted: set[str] = set()
 
     # --- scheduler thread ------------------------------------------------------------------------------
-    def add(self, request_id: str, params: dict[str, Any], num_tokens: int, *, num_blocks: int = 0) -> float:
-        """Lease a finished request's blocks; returns its deadline, or 0.0 if they do not fit under
-        ``capacity_blocks`` (the caller then frees them at once)."""
+    def add(
+        self,
+        request_id: str,
+        params: dict[str, Any],
+        num_tokens: int,
+        *,
+        block_ids: Collection[Hashable] = (),
+    ) -> float:
+        """Lease a finished request's blocks; returns its deadline, or 0.0 if the blocks no live lease holds
+        yet do not fit under ``capacity_blocks`` (the caller then frees them at once)."""
         now = self._clock()
+        blocks = frozenset(block_ids)
         with self._lock:
-            if self.capacity_blocks is not None and not self._fits(num_blocks, now):
-                return 0.0
-            self._retained[request_id] = Retained(
-                request_id, params, now + self.lease_s, num_tokens, num_blocks
-            )
+            if self.capacity_blocks is not None:
+                self._settle(now)
+                new = sum(1 for b in blocks if b not in self._refs)
+                if len(self._refs) + new > self.capacity_blocks:
+                    return 0.0
+            self._uncount(request_id)  # a request id is leased once; never count a stale entry twice
+            self._retained[request_id] = Retained(request_id, params, now + self.lease_s, num_tokens, blocks)
+            self._count(request_id)
         return now + self.lease_s
 
-    def _fits(self, num_blocks: int, now: float) -> bool:
-        assert self.capacity_blocks is not None
-        return self._blocks_in_use(now) + num_blocks <= self.capacity_blocks
+    def _count(self, rid: str) -> None:
+        for b in self._retained[rid].block_ids:
+            self._refs[b] = self._refs.get(b, 0) + 1
+        self._counted.add(rid)
 
-    def _blocks_in_use(self, now: float) -> int:
+    def _uncount(self, rid: str) -> None:
+        if rid not in self._counted:
+            return
+        self._counted.discard(rid)
+        r = self._retained.get(rid)
+        for b in () if r is None else r.block_ids:
+            left = self._refs[b] - 1
+            if left:
+                self._refs[b] = left
+            else:
+                del self._refs[b]
+
+    def _settle(self, now: float) -> None:
         # Released or expired leases are on their way out (the workers free them): they hold no room.
-        return sum(
-            r.num_blocks
-            for r in self._retained.values()
-            if r.request_id not in self._pending.release
-            and self._pending.renew.get(r.request_id, r.deadline) > now
+        for rid in [rid for rid in self._counted if not self._live(rid, now)]:
+            self._uncount(rid)
+
+    def _live(self, rid: str, now: float) -> bool:
+        r = self._retained.get(rid)
+        return (
+            r is not None
+            and rid not in self._pending.release
+            and self._pending.renew.get(rid, r.deadline) > now
         )
 
     def blocks_in_use(self) -> int:
-        """KV blocks the live leases hold (any thread)."""
+        """Distinct KV blocks the live leases hold (any thread)."""
         with self._lock:
-            return self._blocks_in_use(self._clock())
+            self._settle(self._clock())
+            return len(self._refs)
 
     def forget(self, request_id: str) -> None:
         """The blocks are gone (read by prefill, expired or released): stop advertising them."""
         with self._lock:
+            self._uncount(request_id)
             self._retained.pop(request_id, None)
 
     def drain(self) -> dict[str, float]:
@@ -111,10 +150,12 @@ class LeaseTable:
                     self._retained[rid].deadline = deadline
                     changes[rid] = deadline
             for rid in pending.release:
+                self._uncount(rid)
                 if self._retained.pop(rid, None) is not None:
                     changes[rid] = now
             # Drop what expired on its own so lookups never return dead params.
             for rid in [r for r, v in self._retained.items() if v.deadline <= now]:
+                self._uncount(rid)
                 del self._retained[rid]
         return changes
 
@@ -160,6 +201,8 @@ class LeaseTable:
                 return None
             # A renewal only ever extends: prefill may already hold params promising the old deadline.
             current = self._pending.renew.get(rid, r.deadline)
+            if current <= self._clock():
+                return None  # ran out: the workers free it at their next step, whatever we queue now
             self._pending.renew[rid] = max(current, self._clock() + d)
         return self.lookup(rid)
 

@@ -321,7 +321,7 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 svc = self.service
                 if svc is not None:
                     params[SERVICE_KEY] = f"http://{self.agentkv.service_host}:{svc.port}"
-                deadline = self.leases.add(request.request_id, params, n, num_blocks=_count_blocks(block_ids))
+                deadline = self.leases.add(request.request_id, params, n, block_ids=_block_keys(block_ids))
                 retained = bool(deadline)
                 if not retained:
                     # No room under the retention cap: offer nothing (no block list, so neither the router
@@ -459,15 +459,16 @@ def _mean_position(scheduler_output: Any) -> float:
         return 0.0
 
 
-def _count_blocks(block_ids: Any) -> int:
-    """Blocks a finished request holds: vLLM passes one list per KV cache group (one shared pool), older
-    versions a flat list."""
+def _block_keys(block_ids: Any) -> list[int]:
+    """The ids of the blocks a finished request holds: vLLM passes one list per KV cache group (the groups
+    allocate from one shared pool, so an id names one block whatever its group), older versions a flat
+    list."""
     try:
         if block_ids and isinstance(block_ids[0], int):
-            return len(block_ids)
-        return sum(len(group) for group in block_ids)
+            return list(block_ids)
+        return [b for group in block_ids for b in group]
     except TypeError:
-        return 0
+        return []
 
 
 def _kv_bytes_per_token(kv_cache_config: Any, block_size: int) -> float | None:
