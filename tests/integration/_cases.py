@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._helpers import chat, conversation_script, new_id
+from ._helpers import Turn, assert_same_answer, chat, conversation_script, new_id
 
 Send = Callable[[list[dict[str, Any]]], str]
 Msg = dict[str, Any]
@@ -128,6 +128,21 @@ def run_case(
 
     case(send, script)
     return record, reuse
+
+
+def assert_same_records(got: Record, ref: Record, *, bit_exact: bool) -> None:
+    """Two runs of a case answered alike: bit for bit where ``bit_exact``, else turn by turn up to rounding
+    (``assert_same_answer``)."""
+    if bit_exact:
+        assert got == ref
+        return
+    assert len(got) == len(ref), (got, ref)
+    for (_, ids, lps, top), (_, ref_ids, ref_lps, ref_top) in zip(got, ref, strict=True):
+        assert_same_answer(
+            Turn(ids, "", logprobs=lps, top=top),
+            Turn(ref_ids, "", logprobs=ref_lps, top=ref_top),
+            bit_exact=False,
+        )
 
 
 TOOLS = [

@@ -21,7 +21,7 @@ from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import LEASE_S, LOG_DIR, Clusters
-from ._helpers import RouterProc
+from ._helpers import RouterProc, split_invariant
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -79,6 +79,13 @@ def cluster(clusters: Clusters) -> Cluster:
         forwarded_ids="always",
         external=os.environ.get("AGENTKV_IT_EXTERNAL") == "1",
     )
+
+
+@pytest.fixture(scope="module")
+def bit_exact(cluster: Cluster) -> bool:
+    """Whether exact mode can be held to bit-identical answers on this host's engines (``split_invariant``,
+    probed on the default cluster's decode); where not, exact-mode tests compare up to rounding."""
+    return split_invariant(cluster.decodes[0].spec.url)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ._helpers import MODEL, RouterProc, chat, conversation_script, metric, new_id
+from ._helpers import MODEL, RouterProc, assert_same_answer, chat, conversation_script, metric, new_id
 
 
 def _stop_string(text: str) -> tuple[str, int]:
@@ -30,10 +30,10 @@ def _stop_string(text: str) -> tuple[str, int]:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_the_turn_after_a_stop_string_reuses_decodes_kv_and_answers_as_off(
-    router: RouterProc, router_off: RouterProc, stream: bool
+    router: RouterProc, router_off: RouterProc, stream: bool, bit_exact: bool
 ) -> None:
     """Exact mode, every turn through P/D: the second turn pulls what decode kept of the first, which a stop
-    string ended, and its answer is OFF's bit for bit."""
+    string ended, and its answer is OFF's bit for bit (up to rounding where ``bit_exact`` is false)."""
     script = conversation_script(90 + int(stream), 2)
     first = [{"role": "user", "content": script[0]}]
     probe = chat(router_off.url, first, conversation_id=new_id("stop-probe"), max_tokens=24)
@@ -50,9 +50,10 @@ def test_the_turn_after_a_stop_string_reuses_decodes_kv_and_answers_as_off(
     on, off = answers["on"], answers["off"]
     assert on.headers.get("x-agentkv-reuse") == "hit", on.headers
     assert int(on.headers.get("x-agentkv-pulled-tokens", "0")) > 0, on.headers
-    assert on.ids == off.ids
-    if not stream:
-        assert on.logprobs == off.logprobs
+    if stream:  # streamed turns carry no logprobs here: the ids are compared
+        assert on.ids == off.ids
+    else:
+        assert_same_answer(on, off, bit_exact=bit_exact)
 
 
 def _leave_mid_answer(router: RouterProc, cid: str, messages: list[dict[str, Any]]) -> str:
@@ -82,7 +83,7 @@ def _leave_mid_answer(router: RouterProc, cid: str, messages: list[dict[str, Any
 
 
 def test_the_turn_after_a_client_left_mid_answer_reuses_decodes_kv(
-    router: RouterProc, router_off: RouterProc
+    router: RouterProc, router_off: RouterProc, bit_exact: bool
 ) -> None:
     """A client that leaves a streamed answer (a user who interrupts, a harness that stops reading at its own
     marker): the router records the turn, decode keeps what it computed, and the next turn pulls it and
@@ -105,4 +106,4 @@ def test_the_turn_after_a_client_left_mid_answer_reuses_decodes_kv(
     off = chat(router_off.url, history, conversation_id=new_id("left-off"), max_tokens=12)
     assert on.headers.get("x-agentkv-reuse") == "hit", on.headers
     assert int(on.headers.get("x-agentkv-pulled-tokens", "0")) > 0, on.headers
-    assert (on.ids, on.logprobs) == (off.ids, off.logprobs)
+    assert_same_answer(on, off, bit_exact=bit_exact)
