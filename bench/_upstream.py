@@ -20,7 +20,7 @@ import httpx
 
 from agentkv._exceptions import ConfigError
 
-__all__ = ["PROXY_MEMBER", "fetch_upstream_proxy", "fetch_upstream_source", "proxy_command"]
+__all__ = ["PROXY_MEMBER", "fetch_upstream_proxy", "fetch_upstream_source", "proxy_command", "upstream_cache"]
 
 PROXY_MEMBER = "examples/disaggregated/disaggregated_serving/disagg_proxy_multiturn.py"
 DEFAULT_VERSION = "0.33.0"
@@ -28,7 +28,8 @@ _INDEX = os.environ.get("AGENTKV_BENCH_INDEX", "https://pypi.org/simple")
 _COMPLETE = ".complete"  # written last: a cache directory without it is an interrupted extraction
 
 
-def _cache_root() -> Path:
+def upstream_cache() -> Path:
+    """Where fetched vLLM sources are kept: outside any checkout, so a fresh clone finds them."""
     base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     return base / "agentkv" / "upstream"
 
@@ -83,7 +84,7 @@ def _extract(version: str, target_dir: Path, keep: Callable[[str], bool]) -> Non
 
 def fetch_upstream_proxy(version: str = DEFAULT_VERSION) -> Path:
     """Path to the cached proxy script, downloading vLLM's sdist on first use."""
-    target_dir = _cache_root() / f"vllm-{version}"
+    target_dir = upstream_cache() / f"vllm-{version}"
     target = target_dir / Path(PROXY_MEMBER).name
     if target.exists():
         return target

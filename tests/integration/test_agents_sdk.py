@@ -22,7 +22,10 @@ from ._helpers import MODEL, RouterProc, conversation_script, new_id
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where scripts/test.sh installs openai-agents and its openai 3 (AGENTKV_AGENTS_SDK_DIR overrides).
-SIDE_DIR = Path(os.environ.get("AGENTKV_AGENTS_SDK_DIR", ROOT / ".agentkv" / "openai-agents"))
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "agentkv"
+SIDE_DIR = Path(
+    os.environ.get("AGENTKV_AGENTS_SDK_DIR", _CACHE / "openai-agents-0.24.0-openai-3.57.0-httpx2-2.16.2")
+)
 CLIENT = Path(__file__).with_name("_agents_sdk_client.py")
 TOOL_STEPS = 3
 TIMEOUT_S = 240

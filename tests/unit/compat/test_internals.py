@@ -124,12 +124,12 @@ def test_each_target_is_in_exactly_the_releases_its_entry_names(
 def trees() -> dict[str, Tree]:
     import httpx
 
-    from bench._upstream import fetch_upstream_source
+    from bench._upstream import fetch_upstream_source, upstream_cache
 
     out = {}
     for version in API_CHECKED:
         try:
-            out[version] = Tree(fetch_upstream_source(version, cache=REPO / ".agentkv" / "upstream"))
+            out[version] = Tree(fetch_upstream_source(version, cache=upstream_cache()))
         except httpx.HTTPError as exc:
             pytest.skip(f"vLLM {version}'s source could not be fetched from the package index: {exc!r}")
     return out

@@ -1,10 +1,10 @@
 """The connector's use of vLLM, checked against the source of every vLLM release we claim (``API_CHECKED``).
 
-Each release's sdist is fetched from the package index on first use and cached under ``.agentkv/upstream/``
-(``bench/_upstream.py``); the source is parsed with ``ast``, never imported, so one machine checks CUDA
-releases it could not install. What we use is read from our own connector modules (``_api.uses``): a new
-override, ``super()`` call or ``self.x`` of vLLM's is checked the moment it is written. When the index
-cannot be reached the tests are skipped, saying so.
+Each release's sdist is fetched from the package index on first use and cached outside the checkout
+(``bench/_upstream.py``, ``~/.cache/agentkv/upstream/``); the source is parsed with ``ast``, never
+imported, so one machine checks CUDA releases it could not install. What we use is read from our own
+connector modules (``_api.uses``): a new override, ``super()`` call or ``self.x`` of vLLM's is checked the
+moment it is written. When the index cannot be reached the tests are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from ._api import REPO, Tree, Use, check, has_member, uses, vllm_modules
 if str(REPO) not in sys.path:  # bench/ lives at the repository root, outside the installed distribution
     sys.path.insert(0, str(REPO))
 
-from bench._upstream import fetch_upstream_source
+from bench._upstream import fetch_upstream_source, upstream_cache
 
-CACHE = REPO / ".agentkv" / "upstream"
+CACHE = upstream_cache()
 USES = uses()
 
 
