@@ -1,9 +1,17 @@
-"""The retention cap on the real engine: decode never lets leases hold more than its share of KV blocks.
+"""The retention cap on the real engine: decode never lets leases hold more than its share of KV blocks, and
+a retention it declines still leaves decode's prefix cache for the next turn.
 
-A 1P1D cluster of its own whose engines have a KV cache of 160 blocks of 32 tokens, so the default cap
-(``agentkv_max_retained_fraction`` 0.5) is 80 blocks and one ~1,450-token conversation (~46 blocks) fits
-while a second does not. Without the cap, or if a declined retention's blocks were never freed, a few more
-such turns would leave decode no blocks to schedule them and they would hang (bounded here by a timeout).
+One 1P1D cluster whose engines have a KV cache of 160 blocks of 32 tokens, so the default cap
+(``agentkv_max_retained_fraction`` 0.5) is 80 blocks:
+
+- A ~2,700-token conversation (~85 blocks) is over the cap, under the 160 blocks decode has: decode declines
+  to retain it and frees its blocks, which vLLM keeps cached until it needs the room. The router asks decode
+  how much of the conversation it still caches and sends the next turn decode-local, where vLLM's prefix
+  cache serves it, as one vLLM server with its prefix cache would. It runs first: it leaves no lease, while
+  the tests after it leave decode's share full of leases (300 s) that would leave it no room.
+- One ~1,450-token conversation (~46 blocks) fits under the cap while a second does not. Without the cap, or
+  if a declined retention's blocks were never freed, a few more such turns would leave decode no blocks to
+  schedule them and they would hang (bounded here by a timeout).
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
 from ._helpers import (
+    assert_agrees_up_to_rounding,
     assert_same_answer,
     chat,
     held_params,
     messages_under,
+    metric,
     pd_turn,
     retained_params,
     service_info,
@@ -30,6 +40,7 @@ from ._helpers import (
 P_PORT, D_PORT, SIDE_PORT = 26100, 26200, 8600
 BLOCK, TOTAL_BLOCKS = 32, 160
 PROMPT_TOKENS = 1450  # ~46 blocks with the answer: one fits under the 80-block cap, two do not
+DECLINED_TOKENS = 2700  # ~85 blocks with the answer: over the 80-block cap, under the 160 blocks decode has
 TURN_TIMEOUT_S = 120  # far above a turn here (1-2 s); a turn that cannot get blocks waits forever
 
 
@@ -43,7 +54,7 @@ def capped(clusters: Clusters) -> Cluster:
         decode_port=D_PORT,
         side_channel_port=SIDE_PORT,
         lease_s=300,  # the granted lease must outlive the test: only the cap may decline anything
-        max_model_len=2048,
+        max_model_len=4096,
         block_size=BLOCK,
         **serving,
     )
@@ -51,6 +62,50 @@ def capped(clusters: Clusters) -> Cluster:
 
 def _messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
     return messages_under(prefill_url, seed, PROMPT_TOKENS, words=2000, start=300)
+
+
+def _declined_messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
+    return messages_under(prefill_url, seed, DECLINED_TOKENS, words=4000, start=600)
+
+
+def _sources(decode_url: str) -> tuple[float, float]:
+    """Decode's prompt tokens so far by vLLM's own count: (from its prefix cache, computed itself)."""
+    return (
+        metric(decode_url, "vllm:prompt_tokens_by_source_total", source="local_cache_hit"),
+        metric(decode_url, "vllm:prompt_tokens_by_source_total", source="local_compute"),
+    )
+
+
+def test_a_declined_retentions_next_turn_reuses_what_decode_caches(
+    capped: Cluster, clusters: Clusters
+) -> None:
+    p, d = capped.prefills[0].spec, capped.decodes[0].spec
+    assert p.service_url and d.service_url
+    assert service_info(d.service_url)["retention_capacity_blocks"] == TOTAL_BLOCKS // 2
+    router = clusters.router("auto", shared=False)
+    try:
+        cid = "declined-then-cached"
+        history = _declined_messages(p.url, 1)
+        declined0 = service_info(d.service_url)["stats"]["not_retained"]
+        first = chat(router.url, history, conversation_id=cid, max_tokens=8)
+        assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
+
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
+        hits0, computed0 = _sources(d.url)
+        second = chat(router.url, history, conversation_id=cid, max_tokens=8, extra={"top_logprobs": 5})
+        hits1, computed1 = _sources(d.url)
+        assert second.headers["x-agentkv-path"] == "decode-local", second.headers
+        assert second.headers["x-agentkv-reuse"] == "cached", second.headers
+        # Decode's prefix cache served the conversation; decode computed only the new turn's tokens.
+        assert hits1 - hits0 > DECLINED_TOKENS - 2 * BLOCK
+        assert computed1 - computed0 < 4 * BLOCK
+        assert int(second.headers["x-agentkv-reused-tokens"]) > DECLINED_TOKENS - 2 * BLOCK
+
+        # Prefill alone is an ordinary single server computing the whole prompt: its answer, up to rounding.
+        reference = chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5})
+        assert_agrees_up_to_rounding(second, reference)
+    finally:
+        router.stop()
 
 
 def test_decode_declines_what_does_not_fit_frees_it_and_keeps_the_granted_lease(capped: Cluster) -> None:
