@@ -25,6 +25,7 @@ from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import Clusters
 from ._helpers import (
+    RouterProc,
     assert_agrees_up_to_rounding,
     assert_same_answer,
     chat,
@@ -68,6 +69,17 @@ def _declined_messages(prefill_url: str, seed: int) -> list[dict[str, Any]]:
     return messages_under(prefill_url, seed, DECLINED_TOKENS, words=4000, start=600)
 
 
+def _a_declined_turn(
+    router: RouterProc, decode_service: str, cid: str, history: list[dict[str, Any]], *, then: str
+) -> list[dict[str, Any]]:
+    """One turn of ``cid`` through ``router`` that decode declines to retain (counted once); returns the
+    messages that continue the history: its answer and the user's ``then``."""
+    declined0 = service_info(decode_service)["stats"]["not_retained"]
+    first = chat(router.url, history, conversation_id=cid, max_tokens=8)
+    assert service_info(decode_service)["stats"]["not_retained"] == declined0 + 1
+    return [{"role": "assistant", "content": first.text}, {"role": "user", "content": then}]
+
+
 def _sources(decode_url: str) -> tuple[float, float]:
     """Decode's prompt tokens so far by vLLM's own count: (from its prefix cache, computed itself)."""
     return (
@@ -86,11 +98,7 @@ def test_a_declined_retentions_next_turn_reuses_what_decode_caches(
     try:
         cid = "declined-then-cached"
         history = _declined_messages(p.url, 1)
-        declined0 = service_info(d.service_url)["stats"]["not_retained"]
-        first = chat(router.url, history, conversation_id=cid, max_tokens=8)
-        assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
-
-        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "and then?"}]
+        history += _a_declined_turn(router, d.service_url, cid, history, then="and then?")
         hits0, computed0 = _sources(d.url)
         second = chat(router.url, history, conversation_id=cid, max_tokens=8, extra={"top_logprobs": 5})
         hits1, computed1 = _sources(d.url)
@@ -165,10 +173,7 @@ def test_the_router_offers_nothing_from_a_turn_decode_declined_to_retain(
     try:
         cid = "capped-declined"
         history = _messages(p.url, 30)
-        declined0 = service_info(d.service_url)["stats"]["not_retained"]
-        first = chat(router.url, history, conversation_id=cid, max_tokens=8)
-        assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
-        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "next"}]
+        history += _a_declined_turn(router, d.service_url, cid, history, then="next")
         offered0 = service_info(p.service_url)["stats"]["tokens_offered"]
         second = chat(router.url, history, conversation_id=cid, max_tokens=8)
         assert second.headers["x-agentkv-reuse"] == "miss", second.headers
