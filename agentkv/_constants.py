@@ -15,8 +15,11 @@ H_REUSED_TOKENS = "x-agentkv-reused-tokens"
 # Of those, the tokens prefill read from decode (absent: a stock prefill, which does not say); the rest came
 # from prefill's own prefix cache.
 H_PULLED_TOKENS = "x-agentkv-pulled-tokens"
-H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none | local
+H_REUSE = "x-agentkv-reuse"  # hit | miss | expired | declined | mismatch | none | local | cached
 H_PATH = "x-agentkv-path"  # decode-local | pull | recompute | single
+# On a turn served from what decode still caches (reuse "cached"): "host" where some of it came back from
+# decode's host KV tier (vLLM's OffloadingConnector), else "hbm".
+H_TIER = "x-agentkv-tier"
 H_LEASE_EXPIRES_IN = "x-agentkv-lease-expires-in"  # seconds, float
 H_PREFILL_MS = "x-agentkv-prefill-ms"
 # Milliseconds of the render (chat template + tokenizer on prefill's API server) the token path runs once.

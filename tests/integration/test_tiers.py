@@ -10,6 +10,11 @@ What the tier must give, checked here: P -> D loads and D -> P pulls still work 
 agentkv's connector (and its leases still hold); the restored turn reuses (its prompt's KV comes from the
 tier, not from a recompute); its answer is bit for bit the answer of the same turn whose blocks never left
 decode's KV cache (the tier copies bytes), and the answer of a recompute up to rounding.
+
+And the router knows the tier: a ~1,700-token conversation (~54 blocks) is over decode's retention cap (50
+of its 100 blocks), so decode declines to retain it; once other prompts have evicted its blocks from decode's
+KV cache, decode's ``cached/`` answer counts them in its host tier, and the router sends the next turn
+decode-local (reuse ``cached``, ``x-agentkv-tier: host``), where vLLM restores them.
 """
 
 from __future__ import annotations
@@ -23,17 +28,20 @@ import pytest
 from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
-from ._clusters import Clusters, cluster_config
+from ._clusters import LOG_DIR, ROUTER_PORT_FROM, Clusters, cluster_config
 from ._helpers import (
     Turn,
     assert_agrees_up_to_rounding,
     chat,
+    free_port,
     held_params,
     messages_under,
     metric,
+    new_id,
     pd_turn,
     service_call,
     service_info,
+    start_router,
     wait_until,
 )
 
@@ -41,6 +49,7 @@ P_PORT, D_PORT, SIDE_PORT = 27100, 27200, 9400
 BLOCK, DECODE_BLOCKS = 32, 100
 PROMPT_TOKENS = 830  # ~27 blocks with its answers: a fourth of decode's KV cache
 FILLERS = 4  # 4 x ~27 blocks > 100: what evicts the conversation's blocks from decode's KV cache
+DECLINED_TOKENS = 1700  # ~54 blocks with the answer: over the 50-block retention cap
 # Room for every prompt of the test (vLLM stores each one as it is computed): ~10 of ~27 blocks of 32 KiB.
 HOST_TIER_BYTES = 16 << 20
 TURN_TIMEOUT_S = 300
@@ -171,3 +180,47 @@ def test_a_conversation_evicted_in_its_tool_gap_is_restored_from_the_host_tier_b
     # And what a recompute of the whole history answers (a salt no block carries: decode computes it all).
     recompute = _decode_local(d.url, history, salt="recompute")
     assert_agrees_up_to_rounding(restored, recompute)
+
+
+def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tiered: Cluster) -> None:
+    p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
+    assert p.service_url and d.service_url
+    router = start_router(
+        port=free_port(ROUTER_PORT_FROM),
+        prefill=[p.url],
+        decode=[d.url],
+        log=LOG_DIR / "router-tiers-auto.log",
+        args=["--no-exact"],
+    )
+    try:
+        cid = new_id("tier-host")
+        history = messages_under(p.url, 7, DECLINED_TOKENS, words=1200, start=150)
+        declined0 = service_info(d.service_url)["stats"]["not_retained"]
+        first = chat(router.url, history, conversation_id=cid, max_tokens=8)
+        assert service_info(d.service_url)["stats"]["not_retained"] == declined0 + 1
+        # The tool gap: other conversations evict its blocks from decode's KV cache.
+        for k in range(FILLERS):
+            _decode_local(d.url, _messages(p.url, 7000 + k), salt=f"tier-filler-{k}")
+
+        history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "tool: 42"}]
+        before = _sources(d.url)
+        second = chat(router.url, history, conversation_id=cid, max_tokens=8, extra={"top_logprobs": 5})
+        assert second.headers["x-agentkv-path"] == "decode-local", second.headers
+        assert second.headers["x-agentkv-reuse"] == "cached", second.headers
+        assert second.headers["x-agentkv-tier"] == "host", second.headers
+        assert int(second.headers["x-agentkv-reused-tokens"]) > DECLINED_TOKENS - 2 * BLOCK, second.headers
+        delta: dict[str, float] = {}
+
+        def counted() -> bool:
+            delta.update(_delta(_sources(d.url), before))
+            return delta["external_kv_transfer"] > 0 and delta["restored_bytes"] > 0
+
+        # Decode read the conversation back from the tier rather than computing it.
+        wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
+        assert delta["external_kv_transfer"] > DECLINED_TOKENS - 2 * BLOCK - 2 * BLOCK, delta
+        assert metric(router.url, "agentkv_host_tier_tokens_total") > 0
+
+        # Prefill alone is an ordinary single server computing the whole prompt: its answer, up to rounding.
+        assert_agrees_up_to_rounding(second, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
+    finally:
+        router.stop()

@@ -218,6 +218,8 @@ class TurnBook:
             m.reused_tokens.inc(turn.reused_tokens)
         if turn.pulled_tokens:
             m.pulled_tokens.inc(turn.pulled_tokens)
+        if turn.host_tokens:
+            m.host_tier_tokens.inc(turn.host_tokens)
         if turn.ttft_ms is not None:
             m.ttft_seconds.observe(turn.ttft_ms / 1000)
         if turn.decode_started:
@@ -246,7 +248,7 @@ class TurnBook:
     def log(self, turn: Turn) -> None:
         logger.info(
             "turn conversation_id=%s request_id=%s prefill=%s decode=%s path=%s reuse=%s reused_tokens=%d "
-            "pulled_tokens=%s prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s",
+            "pulled_tokens=%s prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s host_tokens=%d",
             turn.conversation_id or "-",
             turn.request_id,
             turn.prefill,
@@ -258,4 +260,5 @@ class TurnBook:
             turn.prompt_tokens if turn.prompt_tokens is not None else "-",
             turn.prefill_ms,
             f"{turn.ttft_ms:.1f}" if turn.ttft_ms is not None else "-",
+            turn.host_tokens,
         )

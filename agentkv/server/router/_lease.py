@@ -129,14 +129,14 @@ class LeaseClient:
                 await asyncio.sleep(0.02 * (attempt + 1))
         return None
 
-    async def cached(self, decode: BackendState, request_id: str) -> int:
-        """Tokens of a finished request that decode's prefix cache still holds (its blocks no longer
-        leased: a declined retention, a lease run out); 0 where decode cannot say."""
+    async def cached(self, decode: BackendState, request_id: str) -> tuple[int, int]:
+        """(tokens of a finished request decode still has, of them those in its host KV tier) once its blocks
+        are no longer leased (a declined retention, a lease run out); (0, 0) where decode cannot say."""
         url = f"{decode.backend.control_url}/agentkv/v1/cached/{request_id}"
         resp = await self._call("GET", url)
-        data = _json(resp) if resp is not None and resp.status_code == 200 else None
-        n = data.get("cached_tokens") if data is not None else None
-        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+        data = (_json(resp) if resp is not None and resp.status_code == 200 else None) or {}
+        n, host = _count(data.get("cached_tokens")), _count(data.get("host_tokens"))
+        return n, min(host, n)
 
     async def renew(self, decode: BackendState, request_id: str, duration_s: float) -> Retained | None:
         url = f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}/renew"
@@ -146,6 +146,10 @@ class LeaseClient:
     async def release(self, decode: BackendState, request_id: str) -> bool:
         resp = await self._call("DELETE", f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}")
         return resp is not None and resp.status_code == 200
+
+
+def _count(n: Any) -> int:
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
 
 
 def _release(version: Any) -> tuple[int, int] | None:

@@ -59,6 +59,12 @@ class RouterMetrics:
             "turn, which reuses what decode kept",
             registry=r,
         )
+        self.host_tier_tokens = Counter(
+            "agentkv_host_tier_tokens",
+            "Of the reused tokens of turns served from what decode still caches, those its host KV tier "
+            "restored (evicted from its HBM, kept by vLLM's OffloadingConnector)",
+            registry=r,
+        )
         self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)
         self.lease_releases = Counter("agentkv_lease_releases", "Decode leases released", registry=r)
         self.backend_errors = Counter(

@@ -202,7 +202,7 @@ class TurnRunner:
         if turn.conversation_id is not None:
             # A partial match reuses decode's blocks as a whole one does (its count says how many).
             turn.reuse = "hit" if verdict in ("ok", "partial") else verdict
-        cached, beyond = await self._decode_cached(turn, record, decode, verdict)
+        cached, beyond, host = await self._decode_cached(turn, record, decode, verdict)
         decision = choose_path(
             policy=self._s.path_policy,
             reuse_ok=verdict in ("ok", "partial"),
@@ -221,7 +221,7 @@ class TurnRunner:
         if cached and decision.path == "decode-local":
             # Decode's prefix cache serves the prompt's start: counted apart from a lease's reuse. `assess`
             # corrects the count where decode's answer reports its cached tokens.
-            turn.reuse, turn.reused_tokens = "cached", cached
+            turn.reuse, turn.reused_tokens, turn.host_tokens = "cached", cached, host
         if turn.rendered is not None:
             turn.forward_ids = await sv.leases.learn_takes_ids(decode)
             turn.pack_ids = turn.forward_ids and decode.packed_ids
@@ -290,10 +290,11 @@ class TurnRunner:
 
     async def _decode_cached(
         self, turn: Turn, record: ConversationRecord | None, decode: BackendState, verdict: str
-    ) -> tuple[int, int]:
-        """(tokens of this prompt decode's prefix cache still holds, tokens beyond them) for a turn of a
-        conversation whose decode retains nothing it may reuse (its retention cap declined the last turn, or
-        the lease ran out); (0, 0) where decode cannot say, or the prompt does not extend the last one."""
+    ) -> tuple[int, int, int]:
+        """(tokens of this prompt decode still has cached, tokens beyond them, of the cached those in its host
+        tier) for a turn of a conversation whose decode retains nothing it may reuse (its retention cap
+        declined the last turn, or the lease ran out); zeros where decode cannot say, or the prompt does not
+        extend the last one."""
         s = self._s
         if (
             record is None
@@ -305,19 +306,19 @@ class TurnRunner:
             or not s.reuse
             or turn.key is None
         ):
-            return 0, 0
+            return 0, 0, 0
         ids = turn.prompt_ids
         if record.tokens is not None and ids is not None:
             extends = record.tokens.extended_by(ids)
         else:
             extends = record.prefix is not None and record.prefix.matches(turn.body)
         if not extends:
-            return 0, 0
-        cached = await self._sv.leases.cached(decode, record.request_id)
+            return 0, 0, 0
+        cached, host = await self._sv.leases.cached(decode, record.request_id)
         if ids is None:
-            return cached, self._new_tokens(turn, record)
+            return cached, self._new_tokens(turn, record), host
         cached = min(cached, max(len(ids) - 1, 0))  # vLLM computes at least a prompt's last token
-        return cached, len(ids) - cached
+        return cached, len(ids) - cached, min(host, cached)
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""

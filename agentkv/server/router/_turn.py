@@ -18,6 +18,7 @@ from agentkv._constants import (
     H_RENDER_MS,
     H_REUSE,
     H_REUSED_TOKENS,
+    H_TIER,
 )
 from agentkv._wire import MESSAGES_PATH, RESPONSES_PATH, render_path
 
@@ -48,6 +49,8 @@ class Turn:
     path: Path = "recompute"
     reuse: str = "none"
     reused_tokens: int = 0
+    # Of a "cached" turn's reused tokens, those decode restores from its host KV tier (0: all in its HBM).
+    host_tokens: int = 0
     # Of those, what prefill read from decode, as our connector on prefill reports it (None: not reported).
     pulled_tokens: int | None = None
     prompt_tokens: int | None = None
@@ -107,4 +110,6 @@ class Turn:
             headers[H_PULLED_TOKENS] = str(self.pulled_tokens)
         if self.conversation_id:
             headers[H_CONVERSATION_ID] = self.conversation_id
+        if self.reuse == "cached":
+            headers[H_TIER] = "host" if self.host_tokens else "hbm"
         return headers

@@ -14,6 +14,11 @@ from agentkv.server.engine._connector._service import RetentionService
 BLOCK = 4
 
 
+def _tokens(cached: CachedPrompts, request_id: str) -> int | None:
+    held = cached.cached_tokens(request_id)
+    return None if held is None else held.tokens
+
+
 def _service(cached: CachedPrompts | None) -> RetentionService:
     table = LeaseTable(lease_s=1, max_lease_s=1, clock=lambda: 0.0)
     return RetentionService(table=table, host="127.0.0.1", port=0, info=dict, cached=cached)
@@ -25,10 +30,10 @@ def test_counts_leading_cached_blocks_only() -> None:
     cached.lookup = pool.__contains__
     cached.keep("chatcmpl-r1-0", [b"a", b"b", b"c", b"d"])
     # "c" was evicted: "d" behind it cannot be reused by a prefix cache.
-    assert cached.cached_tokens("chatcmpl-r1-0") == 2 * BLOCK
-    assert cached.cached_tokens("r1") == 2 * BLOCK  # the router's id, as vLLM wraps it
+    assert _tokens(cached, "chatcmpl-r1-0") == 2 * BLOCK
+    assert _tokens(cached, "r1") == 2 * BLOCK  # the router's id, as vLLM wraps it
     pool.clear()
-    assert cached.cached_tokens("r1") == 0
+    assert _tokens(cached, "r1") == 0
     assert cached.cached_tokens("r2") is None
 
 
@@ -43,12 +48,12 @@ def test_keeps_at_most_max_blocks_oldest_out() -> None:
     cached.lookup = lambda h: True
     cached.keep("r1", [1, 2, 3])
     cached.keep("r2", [4, 5])
-    assert cached.cached_tokens("r1") == 3 * BLOCK
+    assert _tokens(cached, "r1") == 3 * BLOCK
     cached.keep("r3", [6])  # 6 blocks: r1 goes
     assert cached.cached_tokens("r1") is None
-    assert cached.cached_tokens("r2") == 2 * BLOCK and cached.cached_tokens("r3") == BLOCK
+    assert _tokens(cached, "r2") == 2 * BLOCK and _tokens(cached, "r3") == BLOCK
     cached.keep("r2", [4, 5, 7])  # kept again: replaced, not counted twice
-    assert len(cached) == 2 and cached.cached_tokens("r2") == 3 * BLOCK
+    assert len(cached) == 2 and _tokens(cached, "r2") == 3 * BLOCK
 
 
 def test_a_lookup_that_fails_midway_reports_what_it_counted() -> None:
@@ -60,7 +65,7 @@ def test_a_lookup_that_fails_midway_reports_what_it_counted() -> None:
     cached = CachedPrompts(block_size=BLOCK, max_blocks=10)
     cached.lookup = lookup
     cached.keep("r1", [1, 2, 3, 4])
-    assert cached.cached_tokens("r1") == 2 * BLOCK
+    assert _tokens(cached, "r1") == 2 * BLOCK
 
 
 def test_service_route() -> None:
@@ -70,10 +75,62 @@ def test_service_route() -> None:
     svc = _service(cached)
     assert svc.handle("GET", "/agentkv/v1/cached/r1", {}) == (
         200,
-        {"request_id": "r1", "cached_tokens": BLOCK},
+        {"request_id": "r1", "cached_tokens": BLOCK, "host_tokens": 0},
     )
     assert svc.handle("GET", "/agentkv/v1/cached/r9", {})[0] == 404
     assert _service(None).handle("GET", "/agentkv/v1/cached/r1", {})[0] == 404  # prefill: no such query
+
+
+def test_past_the_pool_the_host_tier_counts_on_in_whole_chunks() -> None:
+    # Blocks a..f; the pool kept a, b; the host tier holds chunks of 2 blocks keyed by their last block's
+    # hash: (a,b) (c,d) but not (e,f).
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=100)
+    cached.lookup = {b"a", b"b"}.__contains__
+    cached.host_lookup = {b"b", b"d"}.__contains__
+    cached.blocks_per_chunk = 2
+    cached.keep("r1", [b"a", b"b", b"c", b"d", b"e", b"f"])
+    held = cached.cached_tokens("r1")
+    assert held is not None and (held.hbm_tokens, held.host_tokens) == (2 * BLOCK, 2 * BLOCK)
+    # The pool kept only a: the host's first chunk (a,b) covers b, its second c, d.
+    cached.lookup = {b"a"}.__contains__
+    held = cached.cached_tokens("r1")
+    assert held is not None and (held.hbm_tokens, held.host_tokens) == (BLOCK, 3 * BLOCK)
+    # A chunk the host lacks ends the count: nothing after a gap is reusable by a prefix.
+    cached.host_lookup = {b"d"}.__contains__
+    held = cached.cached_tokens("r1")
+    assert held is not None and (held.hbm_tokens, held.host_tokens) == (BLOCK, 0)
+    svc = _service(cached)
+    cached.host_lookup = {b"b", b"d"}.__contains__
+    assert svc.handle("GET", "/agentkv/v1/cached/r1", {})[1] == {
+        "request_id": "r1",
+        "cached_tokens": 4 * BLOCK,
+        "host_tokens": 3 * BLOCK,
+    }
+
+
+def test_finds_the_host_tier_beside_us_under_multiconnector() -> None:
+    from vllm.v1.kv_offload.base import LookupResult, make_offload_key
+
+    from agentkv.server.engine._connector._cached import host_lookup
+
+    stored = {make_offload_key(b"h2", 0)}
+    manager = types.SimpleNamespace(
+        lookup=lambda key, ctx: LookupResult.HIT if key in stored else LookupResult.MISS
+    )
+    offload = types.SimpleNamespace(
+        manager=manager,
+        config=types.SimpleNamespace(
+            kv_group_configs=[types.SimpleNamespace(group_idx=0, hashes_per_chunk=2)]
+        ),
+    )
+    ours = types.SimpleNamespace()
+    multi = types.SimpleNamespace(_connectors=[ours, types.SimpleNamespace(connector_scheduler=offload)])
+    manager._num_chunks = 50
+    found = host_lookup(types.SimpleNamespace(connector=multi))
+    assert found is not None
+    assert found.blocks_per_chunk == 2 and found.capacity_blocks == 100
+    assert found.lookup(b"h2") and not found.lookup(b"h1")
+    assert host_lookup(types.SimpleNamespace(connector=types.SimpleNamespace(_connectors=[ours]))) is None
 
 
 def test_finds_the_scheduler_that_calls_and_its_pool() -> None:
@@ -108,8 +165,8 @@ def test_real_block_pool_forgets_evicted_blocks() -> None:
     cached = CachedPrompts(block_size=BLOCK, max_blocks=10)
     cached.lookup = pool_lookup(scheduler)
     cached.keep(request.request_id, hashes)
-    assert cached.cached_tokens("r1") == 3 * BLOCK
+    assert _tokens(cached, "r1") == 3 * BLOCK
     pool.free_blocks(blocks)  # a declined retention: freed, still cached
-    assert cached.cached_tokens("r1") == 3 * BLOCK
+    assert _tokens(cached, "r1") == 3 * BLOCK
     pool.get_new_blocks(pool.get_num_free_blocks())  # another request needs every free block
-    assert cached.cached_tokens("r1") == 0
+    assert _tokens(cached, "r1") == 0

@@ -86,6 +86,9 @@ async def test_lease_client_reads_decodes_answer() -> None:
         "/agentkv/v1/cached/r2": httpx.Response(404, json={"error": "no"}),
         "/agentkv/v1/cached/r3": httpx.Response(200, json={"cached_tokens": "many"}),
         "/agentkv/v1/cached/r4": httpx.Response(200, json={"cached_tokens": True}),
+        "/agentkv/v1/cached/r6": httpx.Response(200, json={"cached_tokens": 4096, "host_tokens": 3072}),
+        # A host count above the whole is decode's mistake: never more than what it has.
+        "/agentkv/v1/cached/r7": httpx.Response(200, json={"cached_tokens": 1024, "host_tokens": 3072}),
     }
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -96,9 +99,11 @@ async def test_lease_client_reads_decodes_answer() -> None:
         decode = BackendState(
             backend=Backend(name="d0", role="decode", url="http://d0:8200", control_url="http://d0:8201")
         )
-        assert await leases.cached(decode, "r1") == 4096
+        assert await leases.cached(decode, "r1") == (4096, 0)
+        assert await leases.cached(decode, "r6") == (4096, 3072)
+        assert await leases.cached(decode, "r7") == (1024, 1024)
         for rid in ("r2", "r3", "r4", "r5"):
-            assert await leases.cached(decode, rid) == 0
+            assert await leases.cached(decode, rid) == (0, 0)
 
 
 CHAT = "/v1/chat/completions"
@@ -110,18 +115,18 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, Any]]) -> ht
     return await client.post(CHAT, json=body, headers={"x-session-id": "c1"})
 
 
-@pytest.mark.parametrize("cached", [4096, 0])
+@pytest.mark.parametrize(("cached", "host"), [(4096, 0), (4096, 3072), (0, 0)])
 async def test_a_declined_retentions_next_turn_uses_what_decode_caches(
-    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch, cached: int
+    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch, cached: int, host: int
 ) -> None:
     asked: list[str] = []
     control = engines._control
 
-    def with_cached(host: str, method: str, path: str, body: Any) -> httpx.Response:
+    def with_cached(name: str, method: str, path: str, body: Any) -> httpx.Response:
         if method == "GET" and path.startswith("/agentkv/v1/cached/"):
             asked.append(path.rsplit("/", 1)[1])
-            return httpx.Response(200, json={"cached_tokens": cached})
-        return control(host, method, path, body)
+            return httpx.Response(200, json={"cached_tokens": cached, "host_tokens": host})
+        return control(name, method, path, body)
 
     monkeypatch.setattr(engines, "_control", with_cached)
     async with make_client(path_policy="auto") as client:
@@ -143,7 +148,11 @@ async def test_a_declined_retentions_next_turn_uses_what_decode_caches(
         assert r.headers["x-agentkv-reuse"] == "cached"
         assert len(engines.completions("p")) == prefills  # no P hop
         assert 'agentkv_reuse_total{result="cached"} 1.0' in metrics
+        # Where some of it comes back from decode's host tier, the turn and the counter say so.
+        assert r.headers["x-agentkv-tier"] == ("host" if host else "hbm")
+        assert f"agentkv_host_tier_tokens_total {float(host)}" in metrics
     else:
+        assert "x-agentkv-tier" not in r.headers
         assert r.headers["x-agentkv-path"] == "recompute"
         assert r.headers["x-agentkv-reuse"] == "miss"
         assert len(engines.completions("p")) == prefills + 1

@@ -27,6 +27,7 @@ FIELDS = [
     "prompt_tokens",
     "prefill_ms",
     "ttft_ms",
+    "host_tokens",
 ]
 
 

@@ -10,23 +10,43 @@ The answer is read from the service thread while the scheduler thread changes th
 block, so at worst a block is reported cached a moment before it is evicted (or the other way round). It is
 a hint for the router's path choice, never for correctness: decode's prefix cache matches blocks by the hash
 of their tokens, whatever the router believed.
+
+Where decode runs vLLM's host tier beside us (OffloadingConnector through MultiConnector,
+``kv_offload_bytes``), blocks evicted from the pool may still be in host memory, from where vLLM restores
+them for a decode-local turn: past the pool's leading blocks, the count goes on through the host tier's
+own lookup (its manager's ``lookup``, a read of its policy's dict, as the pool's is).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CachedPrompts", "calling_scheduler", "pool_lookup"]
+__all__ = ["Cached", "CachedPrompts", "HostTier", "calling_scheduler", "host_lookup", "pool_lookup"]
 
 logger = logging.getLogger("agentkv.connector")
 
 # (block hash) -> whether the pool caches it; None: no pool to ask.
 Lookup = Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class Cached:
+    """Tokens of a request's leading whole blocks decode still has: in its KV cache (``hbm_tokens``), then,
+    evicted from it, in the host tier (``host_tokens``)."""
+
+    hbm_tokens: int
+    host_tokens: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.hbm_tokens + self.host_tokens
 
 
 class CachedPrompts:
@@ -39,6 +59,10 @@ class CachedPrompts:
         self.block_size = block_size
         self.max_blocks = max_blocks
         self.lookup: Lookup | None = None
+        # The host tier's lookup, and how many of our blocks one of its chunks holds (its key is the hash of
+        # the chunk's last block, as vLLM's offloading scheduler makes it).
+        self.host_lookup: Lookup | None = None
+        self.blocks_per_chunk = 1
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
         self._blocks = 0
@@ -69,26 +93,36 @@ class CachedPrompts:
                     return self._kept[rid]
         return None
 
-    def cached_tokens(self, request_id: str) -> int | None:
-        """Tokens of the request's leading whole blocks that the prefix cache still holds; None where the
-        request is not remembered or there is no pool to ask."""
+    def cached_tokens(self, request_id: str) -> Cached | None:
+        """The request's leading whole blocks decode still has (``Cached``); None where the request is not
+        remembered or there is no pool to ask."""
         hashes = self._find(request_id)
         lookup = self.lookup
         if hashes is None or lookup is None:
             return None
-        n = 0
-        try:
-            for h in hashes:
-                if not lookup(h):
-                    break
-                n += 1
-        except Exception:  # a pool changing under the read: what was counted so far was cached
-            logger.debug("prefix cache lookup failed", exc_info=True)
-        return n * self.block_size
+        n = _leading(hashes, lookup, step=1)
+        host = self.host_lookup
+        f = self.blocks_per_chunk
+        # The host tier holds whole chunks: from the first chunk boundary at or below the pool's count.
+        start = n // f * f
+        extra = 0 if host is None else max(_leading(hashes[start:], host, step=f) - (n - start), 0)
+        return Cached(n * self.block_size, extra * self.block_size)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._kept)
+
+
+def _leading(hashes: Sequence[Any], lookup: Lookup, *, step: int) -> int:
+    """Blocks of ``hashes`` from the start that ``lookup`` finds, ``step`` at a time (each step asked by its
+    last block's hash)."""
+    n = 0
+    try:
+        while n + step <= len(hashes) and lookup(hashes[n + step - 1]):
+            n += step
+    except Exception:  # a pool changing under the read: what was counted so far was cached
+        logger.debug("prefix cache lookup failed", exc_info=True)
+    return n
 
 
 def calling_scheduler() -> Any:
@@ -118,3 +152,51 @@ def pool_lookup(scheduler: Any) -> Lookup | None:
         return bool(get(block_hash, [0]))
 
     return lookup
+
+
+@dataclass(frozen=True)
+class HostTier:
+    """vLLM's host KV tier as ``CachedPrompts`` asks it: a lookup of block hashes, how many of our blocks
+    one of its chunks holds, and how many of our blocks it holds at most."""
+
+    lookup: Lookup
+    blocks_per_chunk: int
+    capacity_blocks: int
+
+
+def host_lookup(scheduler: Any) -> HostTier | None:
+    """The host tier of vLLM's OffloadingConnector beside ours under MultiConnector on ``scheduler`` (its
+    first KV cache group); None where there is none. 0.26-0.34 all have
+    ``OffloadingConnector.connector_scheduler.manager.lookup(key, req_context)`` with
+    ``make_offload_key(block_hash, group_idx)`` and ``ReqContext(req_id=...)``."""
+    connector = getattr(scheduler, "connector", None)
+    for sub in [connector, *getattr(connector, "_connectors", ())]:
+        offload = getattr(sub, "connector_scheduler", None)
+        manager = getattr(offload, "manager", None)
+        groups = getattr(getattr(offload, "config", None), "kv_group_configs", None)
+        if manager is None or not hasattr(manager, "lookup") or not groups:
+            continue
+        try:
+            from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+        except ImportError:
+            return None
+        per_chunk = max(int(groups[0].hashes_per_chunk), 1)
+        # Its capacity in chunks: the manager's count (0.32+ `_num_chunks`, 0.26 `_num_blocks`).
+        chunks = getattr(manager, "_num_chunks", None) or getattr(manager, "_num_blocks", None) or 0
+        return HostTier(
+            lookup=functools.partial(
+                _host_hit,
+                manager=manager,
+                group=int(groups[0].group_idx),
+                context=ReqContext(req_id="agentkv-cached-query"),
+                make_key=make_offload_key,
+                hit=LookupResult.HIT,
+            ),
+            blocks_per_chunk=per_chunk,
+            capacity_blocks=int(chunks) * per_chunk,
+        )
+    return None
+
+
+def _host_hit(block_hash: Any, *, manager: Any, group: int, context: Any, make_key: Any, hit: Any) -> bool:
+    return bool(manager.lookup(make_key(block_hash, group), context) == hit)

@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from agentkv._constants import FINGERPRINTS_KEY, PULLED_KEY, SERVICE_KEY, SERVICE_TOKEN_ENV
 from agentkv._wire import RETAIN_KEY, cut_offer, prefix_cache_tokens, pullable_tokens
 from agentkv.server.engine._connector._block_hashes import install as install_hash_reuse
-from agentkv.server.engine._connector._cached import CachedPrompts, calling_scheduler, pool_lookup
+from agentkv.server.engine._connector._cached import (
+    CachedPrompts,
+    calling_scheduler,
+    host_lookup,
+    pool_lookup,
+)
 from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server.engine._connector._cost import PullCostModel
 from agentkv.server.engine._connector._hashing import (
@@ -370,9 +375,15 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             # The pool is vLLM's scheduler's, which builds it after this connector: found on the first call
             # from it (request_finished is one).
             self._pool_searched = True
-            self.cached.lookup = pool_lookup(calling_scheduler())
+            scheduler = calling_scheduler()
+            self.cached.lookup = pool_lookup(scheduler)
             if self.cached.lookup is None:
                 logger.info("agentkv: vLLM's block pool not found; decode cannot say what it still caches")
+            host = host_lookup(scheduler)
+            if host is not None:
+                self.cached.host_lookup, self.cached.blocks_per_chunk = host.lookup, host.blocks_per_chunk
+                # Remember as many finished requests' blocks as both tiers can hold, not the pool's alone.
+                self.cached.max_blocks += host.capacity_blocks
         keys: Any = getattr(request, "block_hashes", None)
         # At our block size only (one hash per block of the request's tokens so far, or fewer).
         if keys and len(keys) <= request.num_tokens // self.block_size:

@@ -165,10 +165,10 @@ class RetentionService:
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
             case "GET", ["cached", rid]:
                 # What decode's prefix cache still holds of a finished request's tokens (`CachedPrompts`).
-                n = self.cached.cached_tokens(rid) if self.cached is not None else None
-                if n is None:
+                held = self.cached.cached_tokens(rid) if self.cached is not None else None
+                if held is None:
                     return 404, {"error": f"no cached blocks known for {rid}"}
-                return 200, {"request_id": rid, "cached_tokens": n}
+                return 200, {"request_id": rid, "cached_tokens": held.tokens, "host_tokens": held.host_tokens}
             case "POST", ["leases", rid, "renew"]:
                 duration = body.get("duration_s")
                 if duration is not None and not isinstance(duration, int | float):
