@@ -19,7 +19,6 @@ own lookup (its manager's ``lookup``, a read of its policy's dict, as the pool's
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 import threading
@@ -176,27 +175,22 @@ def host_lookup(scheduler: Any) -> HostTier | None:
         groups = getattr(getattr(offload, "config", None), "kv_group_configs", None)
         if manager is None or not hasattr(manager, "lookup") or not groups:
             continue
-        try:
-            from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
-        except ImportError:
-            return None
-        per_chunk = max(int(groups[0].hashes_per_chunk), 1)
-        # Its capacity in chunks: the manager's count (0.32+ `_num_chunks`, 0.26 `_num_blocks`).
-        chunks = getattr(manager, "_num_chunks", None) or getattr(manager, "_num_blocks", None) or 0
-        return HostTier(
-            lookup=functools.partial(
-                _host_hit,
-                manager=manager,
-                group=int(groups[0].group_idx),
-                context=ReqContext(req_id="agentkv-cached-query"),
-                make_key=make_offload_key,
-                hit=LookupResult.HIT,
-            ),
-            blocks_per_chunk=per_chunk,
-            capacity_blocks=int(chunks) * per_chunk,
-        )
+        return _host_tier(manager, groups[0])
     return None
 
 
-def _host_hit(block_hash: Any, *, manager: Any, group: int, context: Any, make_key: Any, hit: Any) -> bool:
-    return bool(manager.lookup(make_key(block_hash, group), context) == hit)
+def _host_tier(manager: Any, group: Any) -> HostTier | None:
+    try:
+        from vllm.v1.kv_offload.base import LookupResult, ReqContext, make_offload_key
+    except ImportError:
+        return None
+    context = ReqContext(req_id="agentkv-cached-query")
+    group_idx = int(group.group_idx)
+
+    def lookup(block_hash: Any) -> bool:
+        return bool(manager.lookup(make_offload_key(block_hash, group_idx), context) == LookupResult.HIT)
+
+    per_chunk = max(int(group.hashes_per_chunk), 1)
+    # Its capacity in chunks: the manager's count (0.32+ `_num_chunks`, 0.26 `_num_blocks`).
+    chunks = getattr(manager, "_num_chunks", None) or getattr(manager, "_num_blocks", None) or 0
+    return HostTier(lookup=lookup, blocks_per_chunk=per_chunk, capacity_blocks=int(chunks) * per_chunk)
