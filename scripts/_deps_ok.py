@@ -28,14 +28,13 @@ def main(extras: list[str]) -> int:
                 todo.extend(req.extras)
             else:
                 wanted.append(req)
-    return 0 if all(_installed(req, None) for req in wanted) else 1
+    return 0 if all(_installed(req) for req in wanted) else 1
 
 
-def _installed(req: Requirement, extra: str | None) -> bool:
-    """``req`` (read from the extra ``extra`` of its parent, where it came from one) is installed, with what
-    its own extras ask for."""
-    env = {"extra": extra or ""}
-    if req.marker is not None and not req.marker.evaluate(env):
+def _installed(req: Requirement) -> bool:
+    """``req`` (where its marker applies) is installed at a matching version, with what its own extras ask
+    for."""
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
         return True
     try:
         version = metadata.version(req.name)
@@ -46,9 +45,9 @@ def _installed(req: Requirement, extra: str | None) -> bool:
     for wanted_extra in req.extras:
         for line in metadata.requires(req.name) or []:
             sub = Requirement(line)
-            if sub.marker is not None and sub.marker.evaluate({"extra": wanted_extra}):
-                if not _installed(Requirement(str(sub).split(";")[0]), None):
-                    return False
+            applies = sub.marker is not None and sub.marker.evaluate({"extra": wanted_extra})
+            if applies and not _installed(Requirement(str(sub).split(";")[0])):
+                return False
     return True
 
 
