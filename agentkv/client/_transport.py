@@ -302,9 +302,13 @@ class ControlClient(_ControlBase):
     def lookup(self, conversation_id: str) -> dict[str, Any] | None:
         return self._send("GET", self._conversation_url(conversation_id))
 
-    def heartbeat(self, conversation_id: str, *, extend_s: float | None = None) -> dict[str, Any] | None:
-        body = None if extend_s is None else {"extend_s": extend_s}
-        return self._send("POST", self._conversation_url(conversation_id, "/heartbeat"), json=body)
+    def heartbeat(
+        self, conversation_id: str, *, extend_s: float | None = None, tool_call: bool = False
+    ) -> dict[str, Any] | None:
+        """Renew decode's lease; ``tool_call``: the caller is about to run tools (the router may then move the
+        conversation's KV to decode's host tier for the time they run)."""
+        url = self._conversation_url(conversation_id, "/heartbeat")
+        return self._send("POST", url, json=_beat_body(extend_s, tool_call))
 
     def release(self, conversation_id: str) -> dict[str, Any] | None:
         return self._send("DELETE", self._conversation_url(conversation_id))
@@ -343,10 +347,11 @@ class AsyncControlClient(_ControlBase):
         return await self._send("GET", self._conversation_url(conversation_id))
 
     async def heartbeat(
-        self, conversation_id: str, *, extend_s: float | None = None
+        self, conversation_id: str, *, extend_s: float | None = None, tool_call: bool = False
     ) -> dict[str, Any] | None:
-        body = None if extend_s is None else {"extend_s": extend_s}
-        return await self._send("POST", self._conversation_url(conversation_id, "/heartbeat"), json=body)
+        """As `ControlClient.heartbeat`."""
+        url = self._conversation_url(conversation_id, "/heartbeat")
+        return await self._send("POST", url, json=_beat_body(extend_s, tool_call))
 
     async def release(self, conversation_id: str) -> dict[str, Any] | None:
         return await self._send("DELETE", self._conversation_url(conversation_id))
@@ -357,6 +362,15 @@ class AsyncControlClient(_ControlBase):
     async def aclose(self) -> None:
         if self._owns_http:
             await self._http.aclose()
+
+
+def _beat_body(extend_s: float | None, tool_call: bool) -> dict[str, Any] | None:
+    body: dict[str, Any] = {}
+    if extend_s is not None:
+        body["extend_s"] = extend_s
+    if tool_call:
+        body["tool_call"] = True
+    return body or None
 
 
 def first_model(base_url: str, *, api_key: str | None = None) -> str:

@@ -78,7 +78,7 @@ class AsyncSession(BaseSession):
         control = self._control
         self._heartbeat = HeartbeatTask(
             scheduler=self._core.scheduler,
-            beat=lambda: control.heartbeat(conversation),
+            beat=lambda tool_call: control.heartbeat(conversation, tool_call=tool_call),
             clock=clock,
         )
         self._finalizer = weakref.finalize(self, self._heartbeat.cancel)
@@ -165,8 +165,13 @@ class AsyncSession(BaseSession):
         while (step := loop.next_step()) is not None:
             pending, params = step
             if calls := loop.answered(await self.chat(pending, **params)):
+                self.tool_call_started()
                 loop.tool_results(await loop.toolbox.aexecute(calls, parallel=parallel_tools))
         return loop.result()
+
+    def tool_call_started(self) -> None:
+        """As `Session.tool_call_started` (the heartbeat task sends the beat). Call it from the event loop."""
+        self._heartbeat.tool_call_started()
 
     async def lease(self) -> dict[str, Any] | None:
         """The router's view of this conversation's lease (None: unknown to the server)."""

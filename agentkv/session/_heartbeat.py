@@ -23,6 +23,9 @@ __all__ = ["HeartbeatScheduler", "HeartbeatTask", "HeartbeatThread"]
 log = logging.getLogger("agentkv.session")
 
 Body = dict[str, Any] | None
+# Sends one heartbeat; its argument says whether a tool call just started (`tool_call_started`).
+Beat = Callable[[bool], Body]
+AsyncBeat = Callable[[bool], Awaitable[Body]]
 # After a failed heartbeat, try again soon, but never hammer a struggling router.
 _RETRY_AFTER_ERROR_S = 2.0
 
@@ -52,12 +55,14 @@ class HeartbeatScheduler:
         self._closed = False
         self._agentkv_seen = False
         self._expired = False
+        self._tool_call = False  # the next beat says a tool call started
         self.beats = 0
 
     # -- events -------------------------------------------------------------------------------------
     def turn_started(self) -> None:
         with self._lock:
             self._in_turn = True
+            self._tool_call = False
 
     def turn_finished(
         self, now: float, *, lease_expires_in_s: float | None, from_agentkv: bool, final: bool = False
@@ -74,6 +79,21 @@ class HeartbeatScheduler:
             # Streams carry no lease header; assume the router's default lease until a beat says more.
             lease = DEFAULT_LEASE_S if lease_expires_in_s is None else lease_expires_in_s
             self._plan(now, lease)
+
+    def tool_call_started(self, now: float) -> None:
+        """The caller is about to run tools: beat now, saying so, so that the router may move the
+        conversation's KV out of decode's HBM for the time they run (to its host tier, where it has one).
+        Nothing while no lease is being kept alive (no turn yet, a final turn, a stock server)."""
+        with self._lock:
+            if self.enabled and not self._closed and not self._in_turn and self._next_at is not None:
+                self._tool_call = True
+                self._next_at = now
+
+    def take_tool_call(self) -> bool:
+        """True once per `tool_call_started`: whether the beat about to be sent carries it."""
+        with self._lock:
+            tool_call, self._tool_call = self._tool_call, False
+            return tool_call
 
     def turn_failed(self) -> None:
         """The turn raised: the lease is as it was before, so keep the old plan."""
@@ -155,7 +175,7 @@ class HeartbeatThread:
         self,
         *,
         scheduler: HeartbeatScheduler,
-        beat: Callable[[], Body],
+        beat: Beat,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
@@ -170,7 +190,7 @@ class HeartbeatThread:
         if self.scheduler.due_in(self._clock()) != 0.0:
             return self.scheduler.due_in(self._clock())
         try:
-            result: Body | BaseException = self._beat()
+            result: Body | BaseException = self._beat(self.scheduler.take_tool_call())
         except Exception as exc:  # a heartbeat must never take the session down; retry soon instead
             result = exc
         _record(self.scheduler, self._clock, result)
@@ -191,6 +211,11 @@ class HeartbeatThread:
             self._thread.start()
         self._wake.set()
 
+    def tool_call_started(self) -> None:
+        """Tools are about to run: one beat now that says so (`HeartbeatScheduler.tool_call_started`)."""
+        self.scheduler.tool_call_started(self._clock())
+        self.notify()
+
     def stop(self) -> None:
         self._stopped = True
         self.scheduler.close()
@@ -206,7 +231,7 @@ class HeartbeatTask:
         self,
         *,
         scheduler: HeartbeatScheduler,
-        beat: Callable[[], Awaitable[Body]],
+        beat: AsyncBeat,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.scheduler = scheduler
@@ -220,7 +245,7 @@ class HeartbeatTask:
         if self.scheduler.due_in(self._clock()) != 0.0:
             return self.scheduler.due_in(self._clock())
         try:
-            result: Body | BaseException = await self._beat()
+            result: Body | BaseException = await self._beat(self.scheduler.take_tool_call())
         except Exception as exc:  # a heartbeat must never take the session down; retry soon instead
             result = exc
         _record(self.scheduler, self._clock, result)
@@ -243,6 +268,11 @@ class HeartbeatTask:
             self._task = asyncio.get_running_loop().create_task(self._run(self._wake))
         assert self._wake is not None
         self._wake.set()
+
+    def tool_call_started(self) -> None:
+        """Tools are about to run: one beat now that says so. Must be called from the event loop."""
+        self.scheduler.tool_call_started(self._clock())
+        self.notify()
 
     def cancel(self) -> None:
         """Synchronous stop, safe from a finalizer: no await needed."""

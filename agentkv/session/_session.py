@@ -84,7 +84,7 @@ class Session(BaseSession):
         control = self._control
         self._heartbeat = HeartbeatThread(
             scheduler=self._core.scheduler,
-            beat=lambda: control.heartbeat(conversation),
+            beat=lambda tool_call: control.heartbeat(conversation, tool_call=tool_call),
             clock=clock,
         )
         # Stops the thread on garbage collection and at interpreter exit; holds no reference to self.
@@ -175,8 +175,15 @@ class Session(BaseSession):
         while (step := loop.next_step()) is not None:
             pending, params = step
             if calls := loop.answered(self.chat(pending, **params)):
+                self.tool_call_started()
                 loop.tool_results(loop.toolbox.execute(calls, parallel=parallel_tools))
         return loop.result()
+
+    def tool_call_started(self) -> None:
+        """Say that tools are about to run (``run`` does): one heartbeat now tells the router, which may then
+        move the conversation's KV from decode's HBM to its host tier while they run. Call it where your own
+        harness runs the tools; it returns at once (the heartbeat thread sends it)."""
+        self._heartbeat.tool_call_started()
 
     # -- lifetime -----------------------------------------------------------------------------------
     def lease(self) -> dict[str, Any] | None:

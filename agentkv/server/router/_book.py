@@ -112,6 +112,7 @@ class TurnBook:
             tokens=held_ids,
             # A decode-local turn ran no prefill: the one before it still holds what it computed.
             prefill=turn.prefill if turn.prefill != "-" else (record.prefill if record else None),
+            turn_ended_at=time.time(),
         )
 
     def keeps(self, turn: Turn) -> bool:

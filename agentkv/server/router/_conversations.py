@@ -16,6 +16,8 @@ __all__ = ["Conversations"]
 
 # Heartbeats race with turns of the same conversation; a few CAS retries settle it without a lock.
 _CAS_ATTEMPTS = 3
+# A demotion waits this long for a turn of its conversation to let go of the lock, then renews instead.
+_DEMOTE_LOCK_WAIT_S = 0.1
 
 
 class Conversations:
@@ -34,34 +36,32 @@ class Conversations:
     @staticmethod
     def view(conversation_id: str, record: ConversationRecord) -> dict[str, Any]:
         state, left = record.lease_view()
+        kept = state in ("held", "fixed_ttl", "demoted")
         return {
             "conversation_id": conversation_id,
             "decode": record.decode,
-            "retained_tokens": record.retained_tokens if state in ("held", "fixed_ttl") else 0,
+            "retained_tokens": record.retained_tokens if kept else 0,
+            # Where decode keeps them: its KV cache under the lease, or (demoted) its host KV tier, with
+            # whatever of them its prefix cache has not yet evicted.
+            "tier": ("host" if state == "demoted" else "hbm") if kept else None,
             "lease": {"state": state, "expires_in_s": round(left, 3), "renewable": state == "held"},
         }
 
     async def heartbeat(self, key: str, conversation_id: str, raw: bytes) -> dict[str, Any]:
         settings = self._sv.settings
-        extend_s = settings.lease_s
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except ValueError:
-                raise client_error(400, "heartbeat body is not valid JSON") from None
-            if not isinstance(body, dict):
-                raise client_error(400, "heartbeat body must be a JSON object")
-            value = body.get("extend_s", extend_s)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise client_error(400, "'extend_s' must be a positive number", param="extend_s")
-            extend_s = float(value)
+        extend_s, tool_call = _beat_body(raw, settings.lease_s)
         extend_s = min(extend_s, settings.max_lease_s)
+        cause = self._demotion(await self._get(key), tool_call=tool_call)
+        if cause is not None:
+            demoted = await self._demote(key, conversation_id, cause)
+            if demoted is not None:
+                return demoted
         for _ in range(_CAS_ATTEMPTS):
             record = await self._get(key)
             state, _left = record.lease_view()
             decode = self._sv.decode.get(record.decode)
             if state != "held" or decode is None:
-                return self.view(conversation_id, record)  # fixed_ttl/expired/none: nothing to renew
+                return self.view(conversation_id, record)  # fixed_ttl/demoted/expired/none: nothing to renew
             renewed = await self._sv.leases.renew(decode, record.request_id, extend_s)
             now = time.time()
             if renewed is None:
@@ -77,8 +77,63 @@ class Conversations:
                 return self.view(conversation_id, updated)
         raise client_error(409, "conversation is busy; retry the heartbeat", code="conversation_busy")
 
+    def _demotion(self, record: ConversationRecord, *, tool_call: bool) -> str | None:
+        """Why this heartbeat should demote the conversation to decode's host tier, or None."""
+        s = self._sv.settings
+        if s.exact or not s.reuse or s.path_policy == "always-pd" or record.lease_view()[0] != "held":
+            return None
+        if tool_call and s.demote_on_tool_call:
+            return "tool_call"
+        ended = record.turn_ended_at
+        if s.demote_idle_s > 0 and ended is not None and time.time() - ended >= s.demote_idle_s:
+            return "idle"
+        return None
+
+    async def _demote(self, key: str, conversation_id: str, cause: str) -> dict[str, Any] | None:
+        """End decode's lease early where its host tier holds the blocks; the record then says `demoted`
+        and the next turn runs decode-local over what decode still has (the router's `cached` path). None
+        where decode refused (no tier, blocks not all in it) or a turn of this conversation is running: a
+        turn may be reading these blocks, so the lease is renewed instead."""
+        store = self._sv.store
+        async with store.lock(key, timeout=_DEMOTE_LOCK_WAIT_S) as locked:
+            if not locked:
+                return None
+            for _ in range(_CAS_ATTEMPTS):
+                record = await self._get(key)
+                decode = self._sv.decode.get(record.decode)
+                if decode is None or record.lease_view()[0] != "held":
+                    return None
+                if not await self._sv.leases.demote(decode, record.request_id):
+                    return None
+                updated = dataclasses.replace(record, lease_state="demoted", expires_at=time.time())
+                if await store.compare_and_set(key, updated, expected=record.version):
+                    self._sv.metrics.demotions[cause].inc()
+                    return self.view(conversation_id, updated)
+                # A heartbeat renewed it meanwhile: decode's lease is gone all the same, so write again.
+        return None
+
     async def forget(self, key: str, conversation_id: str) -> dict[str, Any]:
         record = await self._sv.store.delete(key)
         if record is None:
             raise client_error(404, "conversation not found", code="conversation_not_found")
         return {"conversation_id": conversation_id, "released": await self._book.release(record)}
+
+
+def _beat_body(raw: bytes, lease_s: float) -> tuple[float, bool]:
+    """A heartbeat's (extend_s, tool_call): how long to extend the lease, and whether the client said a tool
+    call just started. An empty body: the default lease, no tool call."""
+    if not raw.strip():
+        return lease_s, False
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise client_error(400, "heartbeat body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise client_error(400, "heartbeat body must be a JSON object")
+    value = body.get("extend_s", lease_s)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise client_error(400, "'extend_s' must be a positive number", param="extend_s")
+    tool_call = body.get("tool_call", False)
+    if not isinstance(tool_call, bool):
+        raise client_error(400, "'tool_call' must be true or false", param="tool_call")
+    return float(value), tool_call

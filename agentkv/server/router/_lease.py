@@ -143,6 +143,14 @@ class LeaseClient:
         resp = await self._call("POST", url, json={"duration_s": duration_s})
         return _json(resp) if resp is not None and resp.status_code == 200 else None
 
+    async def demote(self, decode: BackendState, request_id: str) -> Retained | None:
+        """Ask decode to end a lease early because its host KV tier holds the blocks (its answer: demoted,
+        host_tokens); None where it refused (no tier, or the tier lacks the blocks: the lease is kept) or
+        could not be reached."""
+        resp = await self._call("POST", f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}/demote")
+        data = _json(resp) if resp is not None and resp.status_code == 200 else None
+        return data if data is not None and data.get("demoted") is True else None
+
     async def release(self, decode: BackendState, request_id: str) -> bool:
         resp = await self._call("DELETE", f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}")
         return resp is not None and resp.status_code == 200

@@ -65,6 +65,16 @@ class RouterMetrics:
             "restored (evicted from its HBM, kept by vLLM's OffloadingConnector)",
             registry=r,
         )
+        self.demotions = Children(
+            Counter(
+                "agentkv_demotions",
+                "Conversations whose decode lease ended early because decode's host KV tier holds their "
+                "blocks, by cause (tool_call: the SDK said a tool call started; idle: demote_idle_s passed)",
+                ["cause"],
+                registry=r,
+            ),
+            "cause",
+        )
         self.lease_renewals = Counter("agentkv_lease_renewals", "Decode leases renewed", registry=r)
         self.lease_releases = Counter("agentkv_lease_releases", "Decode leases released", registry=r)
         self.backend_errors = Counter(

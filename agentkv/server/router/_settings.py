@@ -134,6 +134,14 @@ class RouterSettings(BaseSettings):
     # Prefill declines a pull within 5 s of decode's expiry; stay clear of that window.
     expiry_margin_s: float = Field(default=6.0, ge=0)
     conversation_lock_timeout_s: float = Field(default=30.0, ge=0)
+    # Demotion to decode's host KV tier (vLLM's OffloadingConnector beside ours, `kv_offload_bytes`), where
+    # that tier holds a conversation's blocks: a heartbeat saying a tool call started (the SDK sends one), or
+    # one that comes `demote_idle_s` after the conversation's last turn (0: never), ends decode's lease early,
+    # so its blocks stay in decode's prefix cache only until decode needs the room, and the next turn runs
+    # decode-local over them (or over their host copies). Not in exact mode, nor with `always-pd`: both
+    # exclude decode-local turns, and a demoted conversation cannot be pulled. docs/tiers.md.
+    demote_on_tool_call: bool = True
+    demote_idle_s: float = Field(default=0.0, ge=0)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(default=5.0, ge=0)
     store_url: str | None = None

@@ -27,7 +27,8 @@ __all__ = [
     "StoreUnavailableError",
 ]
 
-LeaseState = Literal["held", "fixed_ttl", "none"]
+# "demoted": decode ended the lease early because its host KV tier holds the blocks (`Conversations`).
+LeaseState = Literal["held", "fixed_ttl", "demoted", "none"]
 
 
 class StoreUnavailableError(AgentKVError):
@@ -50,6 +51,8 @@ class ConversationRecord:
     tokens: TokenPrefix | None = None
     # The prefill that last computed this conversation's prompt (its prefix cache may still hold it).
     prefill: str | None = None
+    # When the turn that wrote this record ended (epoch seconds): how long the conversation has been idle.
+    turn_ended_at: float | None = None
     version: int = 0
 
     def lease_view(self, now: float | None = None) -> tuple[str, float]:
@@ -57,6 +60,8 @@ class ConversationRecord:
         now = time.time() if now is None else now
         if not self.retained or self.lease_state == "none":
             return "none", 0.0
+        if self.lease_state == "demoted":
+            return "demoted", 0.0
         left = (self.expires_at or 0.0) - now
         return ("expired", 0.0) if left <= 0 else (self.lease_state, left)
 

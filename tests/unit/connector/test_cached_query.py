@@ -170,3 +170,35 @@ def test_real_block_pool_forgets_evicted_blocks() -> None:
     assert _tokens(cached, "r1") == 3 * BLOCK
     pool.get_new_blocks(pool.get_num_free_blocks())  # another request needs every free block
     assert _tokens(cached, "r1") == 0
+
+
+def test_a_lease_is_demoted_only_where_the_host_tier_holds_its_blocks() -> None:
+    """Blocks a..f (24 tokens) under a lease; the host tier stores chunks of 2 blocks. Demoting ends the
+    lease (its blocks free, still in the pool) only where the host holds every chunk but at most the last."""
+    table = LeaseTable(lease_s=10, max_lease_s=10, clock=lambda: 0.0)
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=100)
+    cached.lookup = lambda h: True
+    cached.blocks_per_chunk = 2
+    cached.keep("chatcmpl-r1-0", [b"a", b"b", b"c", b"d", b"e", b"f"])
+    stats: dict[str, int] = {}
+    svc = RetentionService(
+        table=table, host="127.0.0.1", port=0, info=dict, cached=cached, stats=stats, block_size=BLOCK
+    )
+    table.add("chatcmpl-r1-0", {}, 6 * BLOCK + 1, block_ids=range(7))
+    demote = "/agentkv/v1/leases/r1/demote"
+
+    status, body = svc.handle("POST", demote, {})
+    assert status == 409 and "no host KV tier" in body["error"]  # no tier beside us
+    cached.host_lookup = {b"b"}.__contains__  # only the first chunk stored
+    status, body = svc.handle("POST", demote, {})
+    assert (status, body["host_tokens"], body["num_tokens"]) == (409, 2 * BLOCK, 6 * BLOCK)
+    assert table.lookup("r1") is not None and not stats  # refused: the lease holds on
+    assert svc.handle("GET", "/agentkv/v1/info", {})[1]["host_tier"] is True
+
+    cached.host_lookup = {b"b", b"d"}.__contains__  # all but the last chunk (its store may be in flight)
+    assert svc.handle("POST", demote, {}) == (
+        200,
+        {"demoted": True, "host_tokens": 4 * BLOCK, "num_tokens": 6 * BLOCK},
+    )
+    assert table.lookup("r1") is None and stats == {"demotions": 1}
+    assert svc.handle("POST", demote, {})[0] == 404  # nothing left to demote

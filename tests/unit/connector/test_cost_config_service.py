@@ -88,6 +88,7 @@ def _routing_only(table: LeaseTable) -> RetentionService:
     svc = RetentionService.__new__(RetentionService)  # routing only: no socket
     svc.table = table
     svc._info = lambda: {"engine_id": "e"}
+    svc.cached = None
     svc._finished = collections.OrderedDict()
     svc._finished_lock = threading.Lock()
     return svc
@@ -129,7 +130,7 @@ def test_service_routes() -> None:
     t = LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0)
     t.add("chatcmpl-x-1", {"a": 1}, 5)
     svc = _routing_only(t)
-    info = (200, {"engine_id": "e", "retained": 1, "retained_blocks": 0})  # the test adds num_blocks=0
+    info = (200, {"engine_id": "e", "host_tier": False, "retained": 1, "retained_blocks": 0})  # num_blocks=0
     assert svc.handle("GET", "/agentkv/v1/info", {}) == info
     status, body = svc.handle("GET", "/agentkv/v1/retained/x", {})
     assert status == 200 and body["num_tokens"] == 5

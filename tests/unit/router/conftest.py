@@ -53,6 +53,7 @@ class FakeEngines:
         self.seen: list[tuple[str, str, str, Any, httpx.Headers]] = []
         self.down: set[str] = set()  # hosts refusing connections
         self.retention = {"d0.test", "d1.test"}  # decodes running our retention service
+        self.host_tier: set[str] = set()  # decodes whose host KV tier holds every block (demotions succeed)
         self.engine_id = {"p0.test": "P-ENGINE", "p1.test": "P-ENGINE", "d0.test": "D0-ENGINE"}
         self.engine_id["d1.test"] = "D1-ENGINE"
         self.reply: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {"content": "sure, done."}
@@ -68,6 +69,7 @@ class FakeEngines:
         self.stream_break_after: int | None = None  # D's stream dies after this many chunks
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
         self.released: list[str] = []
+        self.demoted: list[str] = []
         self.renewed: list[tuple[str, float]] = []  # (request id, duration asked for)
         # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
         # D's retained block lists cover its tokens in blocks of this size.
@@ -254,6 +256,15 @@ class FakeEngines:
             rid, duration = path[len(_LEASES) : -len("/renew")], float(body["duration_s"])
             self.renewed.append((rid, duration))
             found = engine.renew(rid, duration)
+        elif method == "POST" and path.endswith("/demote"):
+            rid = path[len(_LEASES) : -len("/demote")]
+            if host not in self.host_tier:
+                return httpx.Response(409, json={"demoted": False, "error": "decode has no host KV tier"})
+            held = engine.find(rid)
+            if held is None or not engine.release(rid):
+                return httpx.Response(404, json={"demoted": False, "error": "unknown"})
+            self.demoted.append(rid)
+            return httpx.Response(200, json={"demoted": True, "host_tokens": held.view(now)["num_tokens"]})
         elif method == "DELETE" and path.startswith(_LEASES):
             rid = path[len(_LEASES) :]
             if not engine.release(rid):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -141,6 +142,74 @@ async def test_heartbeat_when_decode_lost_the_blocks_reports_expired(
         engines.drop_retained()
         hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
     assert hb["lease"]["state"] == "expired"
+
+
+async def test_a_tool_call_demotes_the_conversation_where_decode_has_a_host_tier(
+    engines: FakeEngines, make_client
+) -> None:
+    engines.host_tier = {"d0.test"}
+    async with make_client(path_policy="auto") as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        rid = engines.requests("d0", CHAT)[0][1]["x-request-id"]
+        hb = (await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True})).json()
+        again = (await client.post("/v1/conversations/c1/heartbeat")).json()
+        metrics = (await client.get("/metrics")).text
+        released = (await client.delete("/v1/conversations/c1")).json()["released"]
+    assert hb["lease"] == {"state": "demoted", "expires_in_s": 0.0, "renewable": False}
+    assert hb["tier"] == "host" and hb["retained_tokens"] > 0
+    assert engines.demoted == [rid] and not engines.renewed  # decode ended the lease; nothing renews it
+    assert again["lease"]["state"] == "demoted"  # a later beat has nothing to renew
+    assert 'agentkv_demotions_total{cause="tool_call"} 1.0' in metrics
+    assert released is False and not engines.released  # no lease left to release
+
+
+async def test_a_tool_call_renews_where_decode_has_no_host_tier(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        hb = (await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True})).json()
+    assert hb["lease"]["state"] == "held" and hb["tier"] == "hbm"
+    assert len(engines.renewed) == 1 and not engines.demoted
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"exact": True}, {"demote_on_tool_call": False}, {"path_policy": "always-pd"}],
+    ids=["exact", "off", "always-pd"],
+)
+async def test_no_demotion_in_exact_mode_or_when_turned_off(
+    engines: FakeEngines, make_client, settings: dict[str, Any]
+) -> None:
+    engines.host_tier = {"d0.test"}
+    async with make_client(**{"path_policy": "auto", **settings}) as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        hb = (await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True})).json()
+    assert hb["lease"]["state"] == "held" and not engines.demoted
+
+
+async def test_a_heartbeat_after_demote_idle_s_demotes(engines: FakeEngines, make_client) -> None:
+    engines.host_tier = {"d0.test"}
+    async with make_client(demote_idle_s=60, path_policy="auto") as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        assert (await client.post("/v1/conversations/c1/heartbeat")).json()["lease"]["state"] == "held"
+        store = store_of(client)
+        record = await store.get("-/c1")
+        assert record is not None and record.turn_ended_at is not None
+        # The turn ended a minute ago (the record's clock is the epoch's, set by the turn).
+        await store.compare_and_set(
+            "-/c1", dataclasses.replace(record, turn_ended_at=record.turn_ended_at - 60), expected=record.version
+        )
+        hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
+        metrics = (await client.get("/metrics")).text
+    assert hb["lease"]["state"] == "demoted" and len(engines.demoted) == 1
+    assert 'agentkv_demotions_total{cause="idle"} 1.0' in metrics
+
+
+async def test_a_heartbeat_with_a_bad_tool_call_is_a_400(engines: FakeEngines, make_client) -> None:
+    async with make_client() as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        r = await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": "yes"})
+        assert_openai_error(r, 400)
+        assert (await client.get("/v1/conversations/c1")).json()["lease"]["state"] == "held"
 
 
 async def test_lru_eviction_releases_the_lease(engines: FakeEngines, make_client) -> None:

@@ -127,7 +127,7 @@ class FakeClock:
 def test_thread_driver_beats_only_when_due() -> None:
     clock, beats = FakeClock(), []
     s = scheduler()
-    driver = HeartbeatThread(scheduler=s, beat=lambda: beats.append(clock.now) or HELD, clock=clock)
+    driver = HeartbeatThread(scheduler=s, beat=lambda tool_call: beats.append(clock.now) or HELD, clock=clock)
     s.turn_finished(0.0, lease_expires_in_s=30.0, from_agentkv=True)
     assert driver.run_once() == pytest.approx(10.0) and beats == []
     clock.now = 10.0
@@ -139,7 +139,7 @@ def test_thread_driver_survives_a_failing_beat() -> None:
     clock = FakeClock()
     s = scheduler()
 
-    def beat() -> None:
+    def beat(tool_call: bool) -> None:
         raise ConnectError("router down")
 
     driver = HeartbeatThread(scheduler=s, beat=beat, clock=clock)
@@ -151,7 +151,7 @@ def test_thread_driver_survives_a_failing_beat() -> None:
 def test_thread_stops_on_stop() -> None:
     beaten = threading.Event()
     s = scheduler()
-    driver = HeartbeatThread(scheduler=s, beat=lambda: beaten.set() or HELD)
+    driver = HeartbeatThread(scheduler=s, beat=lambda tool_call: beaten.set() or HELD)
     s.turn_finished(time.monotonic(), lease_expires_in_s=0.0, from_agentkv=True)  # due at once
     driver.notify()
     assert beaten.wait(5.0)
@@ -160,7 +160,7 @@ def test_thread_stops_on_stop() -> None:
 
 
 def test_disabled_scheduler_starts_no_thread() -> None:
-    driver = HeartbeatThread(scheduler=scheduler(enabled=False), beat=lambda: HELD)
+    driver = HeartbeatThread(scheduler=scheduler(enabled=False), beat=lambda tool_call: HELD)
     driver.notify()
     assert driver._thread is None
 
@@ -169,7 +169,7 @@ async def test_task_driver_beats_and_stops() -> None:
     beaten = asyncio.Event()
     s = scheduler()
 
-    async def beat() -> dict:
+    async def beat(tool_call: bool) -> dict:
         beaten.set()
         return HELD
 
@@ -191,3 +191,27 @@ def test_a_final_turn_leaves_nothing_to_beat_for_until_the_next_turn() -> None:
     s.turn_started()  # the agent went on after all: its next turn plans beats again
     s.turn_finished(200.0, lease_expires_in_s=30.0, from_agentkv=True)
     assert s.due_in(200.0) == pytest.approx(10.0)
+
+
+def test_a_tool_call_makes_one_beat_due_now_that_says_so() -> None:
+    clock, sent = FakeClock(), []
+    s = scheduler()
+    driver = HeartbeatThread(scheduler=s, beat=lambda tool_call: sent.append(tool_call) or HELD, clock=clock)
+    s.turn_finished(0.0, lease_expires_in_s=30.0, from_agentkv=True)
+    clock.now = 1.0
+    s.tool_call_started(clock.now)
+    assert s.due_in(clock.now) == 0.0  # not at the planned 10 s
+    driver.run_once()
+    clock.now = 11.0
+    driver.run_once()
+    assert sent == [True, False]  # the flag rides on one beat only
+
+
+def test_a_tool_call_with_no_lease_to_keep_sends_nothing() -> None:
+    s = scheduler()
+    s.tool_call_started(0.0)  # no turn yet
+    assert s.due_in(0.0) is None and not s.take_tool_call()
+    s.turn_finished(0.0, lease_expires_in_s=30.0, from_agentkv=True)
+    s.tool_call_started(1.0)
+    s.turn_started()  # a turn began before the beat went out: the turn keeps the lease, no tool beat
+    assert not s.take_tool_call()

@@ -17,7 +17,7 @@ def lookup(city: str) -> str:
     return f"{city}: 1000"
 
 
-def script() -> ScriptedRouter:
+def script(**options: object) -> ScriptedRouter:
     return ScriptedRouter(
         [
             ScriptedReply.completion(
@@ -28,7 +28,8 @@ def script() -> ScriptedRouter:
             ScriptedReply.completion(
                 "Porto has 1000.", headers=router_headers(reuse="hit", reused_tokens=64)
             ),
-        ]
+        ],
+        **options,  # type: ignore[arg-type]
     )
 
 
@@ -76,3 +77,29 @@ def test_forced_tool_steps_then_tool_choice(control: respx.MockRouter) -> None:
     with Session(base_url=BASE, model="m", http_client=router.client(), heartbeat=False) as session:
         session.run("go", tools=[lookup], force_tool_steps=2, tool_choice="none")
     assert [b.get("tool_choice") for b in router.bodies] == ["required", "required", "none"]
+
+
+def test_the_tool_loop_tells_the_router_when_tools_run(
+    control: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before it runs the model's tool calls, the loop sends one heartbeat saying so (the router may then
+    demote the conversation to decode's host tier); later beats of the gap do not repeat it."""
+    beats = control.post(path__regex=r"/conversations/.+/heartbeat").respond(
+        200, json={"conversation_id": "c", "lease": {"state": "held", "expires_in_s": 30, "renewable": True}}
+    )
+    router = script(control=control.handler)  # the beats ride the session's client
+    session = Session(base_url=BASE, model="m", http_client=router.client(), heartbeat=True)
+    sent: list[bool] = []
+
+    def run_tool(city: str) -> str:
+        """Population of a city."""
+        session._heartbeat.run_once()  # the beat the thread would send as the tool starts
+        sent.append(beats.call_count == 1)
+        return lookup(city)
+
+    run_tool.__name__ = "lookup"
+    monkeypatch.setattr(session._heartbeat, "notify", lambda: None)  # no thread: beat by hand
+    with session:
+        session.run("Population of Porto?", tools=[run_tool], parallel_tools=False)
+    assert sent[0] and beats.call_count == 1
+    assert json.loads(beats.calls[0].request.content) == {"tool_call": True}

@@ -107,6 +107,16 @@ class CachedPrompts:
         extra = 0 if host is None else max(_leading(hashes[start:], host, step=f) - (n - start), 0)
         return Cached(n * self.block_size, extra * self.block_size)
 
+    def host_tokens(self, request_id: str) -> int | None:
+        """Tokens of the request's leading whole chunks the host tier holds, wherever the pool holds them too
+        (a leased request's blocks are all in the pool; their host copies are what a demotion leaves); None
+        where the request is not remembered or decode has no host tier."""
+        hashes = self._find(request_id)
+        host = self.host_lookup
+        if hashes is None or host is None:
+            return None
+        return _leading(hashes, host, step=self.blocks_per_chunk) * self.block_size
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._kept)

@@ -148,6 +148,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 info=self._info,
                 token=token,
                 cached=self.cached,
+                stats=self.stats,
+                block_size=self.block_size,
             )
             self.service.start()
 

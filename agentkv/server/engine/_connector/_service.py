@@ -46,6 +46,7 @@ COUNTERS = {
     "refused_released": "offers whose lease was released or expired before the read (or decode was silent)",
     "retained": "finished requests whose blocks decode retained",
     "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
+    "demotions": "leases ended early because the host KV tier holds their blocks (the router's demote call)",
     "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
     "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
     "block_hashes_computed": "prompt blocks whose vLLM prefix-cache hash vLLM computed on arrival",
@@ -83,9 +84,15 @@ class RetentionService:
         info: Callable[[], dict[str, Any]],
         token: str | None = None,
         cached: CachedPrompts | None = None,
+        stats: dict[str, int] | None = None,
+        block_size: int = 16,
     ) -> None:
         self.table = table
         self.cached = cached
+        # The scheduler's counters: the service adds its own (`demotions`), which the scheduler never writes.
+        self.stats = stats if stats is not None else {}
+        self.block_size = block_size
+        self._demote_lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_lock = threading.Lock()
         self._info = info
@@ -143,6 +150,39 @@ class RetentionService:
                 return found or self.table.lookup(request_id)
             time.sleep(0.005)
 
+    def has_host_tier(self) -> bool:
+        """Whether decode runs vLLM's host KV tier beside us (found at the first finished request)."""
+        return self.cached is not None and self.cached.host_lookup is not None
+
+    def demote(self, request_id: str) -> tuple[int, dict[str, Any]]:
+        """End a lease early because its blocks are in the host tier too: vLLM's OffloadingConnector writes
+        each block to host memory as it is computed, so ending the lease moves nothing; it makes the blocks
+        free, still in decode's prefix cache, and evicted from there (least recently used first) only when
+        decode needs the room. The next turn, sent decode-local, reads them from decode's KV cache or, once
+        evicted, back from host memory. Refused (409, the lease kept) where the host tier does not hold the
+        lease's whole chunks, except at most its last (a store still in flight): those would be recomputed."""
+        lease = self.table.lookup(request_id)
+        if lease is None:
+            return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
+        host = self.cached.host_tokens(request_id) if self.cached is not None else None
+        if host is None:
+            return 409, {"demoted": False, "error": "decode has no host KV tier (or forgot the request)"}
+        assert self.cached is not None
+        held = int(lease.get("num_tokens") or 0) // self.block_size * self.block_size
+        chunk = self.cached.blocks_per_chunk * self.block_size
+        if host < held - chunk:
+            return 409, {
+                "demoted": False,
+                "host_tokens": host,
+                "num_tokens": held,
+                "error": f"the host tier holds {host} of the lease's {held} tokens",
+            }
+        if not self.table.release(request_id):
+            return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
+        with self._demote_lock:
+            self.stats["demotions"] = self.stats.get("demotions", 0) + 1
+        return 200, {"demoted": True, "host_tokens": min(host, held), "num_tokens": held}
+
     # Routing lives here, not in the handler, so it can be tested without sockets.
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not path.startswith(_PREFIX):
@@ -153,6 +193,7 @@ class RetentionService:
             case "GET", ["info"]:
                 return 200, {
                     **self._info(),
+                    "host_tier": self.has_host_tier(),
                     "retained": len(self.table),
                     "retained_blocks": self.table.blocks_in_use(),
                 }
@@ -175,6 +216,8 @@ class RetentionService:
                     return 400, {"error": "duration_s must be a number"}
                 found = self.table.renew(rid, duration)
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
+            case "POST", ["leases", rid, "demote"]:
+                return self.demote(rid)
             case "DELETE", ["leases", rid]:
                 return (200, {"released": True}) if self.table.release(rid) else (404, {"released": False})
         return 404, {"error": "not found"}
