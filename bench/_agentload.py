@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from agentkv._constants import DEFAULT_SESSION_HEADER, H_REUSE
+from agentkv._constants import DEFAULT_SESSION_HEADER, H_REUSE, H_TIER
 
 __all__ = [
     "SLO",
@@ -43,8 +43,9 @@ _H_PATH = "x-agentkv-path"
 _H_REUSED_TOKENS = "x-agentkv-reused-tokens"
 _H_PULLED_TOKENS = "x-agentkv-pulled-tokens"
 # Router verdicts that mean the turn did not recompute what an earlier turn computed ("local": decode
-# prefilled only the suffix on top of its own retained KV).
-HIT_VERDICTS = frozenset({"hit", "local"})
+# prefilled only the suffix on top of its own retained KV; "cached": on top of what its prefix cache or host
+# KV tier still held once the lease had ended).
+HIT_VERDICTS = frozenset({"hit", "local", "cached"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -160,6 +161,7 @@ class TurnRecord:
     output_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details: local prefix cache + external KV
     reuse: str | None = None  # the router's verdict header; None from a plain server
+    tier: str | None = None  # a "cached" turn's x-agentkv-tier: hbm, or host (decode restored the KV)
     path: str | None = None
     reused_tokens: int | None = None
     pulled_tokens: int | None = None  # of reused_tokens, read from decode (our connector on prefill says)
@@ -195,6 +197,7 @@ async def _stream(
             record.error = f"http {response.status_code}"
             return ""
         record.reuse = response.headers.get(H_REUSE)
+        record.tier = response.headers.get(H_TIER)
         record.path = response.headers.get(_H_PATH)
         reused = response.headers.get(_H_REUSED_TOKENS)
         record.reused_tokens = int(reused) if reused and reused.isdigit() else None
@@ -230,8 +233,12 @@ async def _stream(
 
 
 async def _heartbeat(client: httpx.AsyncClient, url: str, cid: str, gap_s: float, every_s: float) -> None:
-    """Sleep through a tool gap, heartbeating every ``every_s`` as the SDK's Session does (0: never)."""
+    """Sleep through a tool gap, heartbeating every ``every_s`` as the SDK's Session does (0: never); its
+    first beat, at once, says a tool call started, as ``Session.run`` does before it runs tools."""
     end = time.perf_counter() + gap_s
+    if every_s > 0:
+        with contextlib.suppress(httpx.HTTPError):
+            await client.post(f"{url}/v1/conversations/{cid}/heartbeat", json={"tool_call": True}, timeout=5)
     while (left := end - time.perf_counter()) > 0:
         step = left if every_s <= 0 else min(left, every_s)
         await asyncio.sleep(step)
@@ -387,6 +394,7 @@ def summarize_step(run: StepRun, *, slo: SLO) -> dict[str, Any]:
         "eligible_turns": len(eligible),
         "hit_rate": round(len(hits) / len(eligible), 3) if eligible else None,
         "reuse_counts": dict(Counter(r.reuse or "no header" for r in eligible)),
+        "tier_counts": dict(Counter(r.tier for r in eligible if r.tier)),
         "cached_token_share": round(cached / prompt, 3) if prompt else None,
         # Prompt tokens of eligible turns that prefill read from decode (None: no prefill reported any).
         "pulled_token_share": round(sum(pulled) / prompt, 3) if prompt and pulled else None,

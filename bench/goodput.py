@@ -14,6 +14,10 @@ Legs (each on freshly started engines; ``on`` and ``exact`` share one cluster, e
 * ``off``: 1P1D, ``bidirectional_kv_xfer`` false, router ``reuse`` off: every turn recomputes on P.
 * ``floor``: ``off`` with prefill's own prefix cache on (P keeps what it can of earlier turns itself).
 * ``on``: 1P1D with reuse, the router's default (``exact=false``: decode's own KV and decode-local turns).
+* ``tiered``: ``on`` with a host KV tier on decode (``--host-tier-bytes``: vLLM's OffloadingConnector beside
+  agentkv's, ``EngineSpec.kv_offload_bytes``): a retention the cap declines, a lease that ends, and a
+  conversation demoted when its tool starts (the first beat of each gap says so) are served decode-local from
+  what decode's KV cache or host tier still holds (``cached``).
 * ``exact``: the same cluster, router ``exact=true`` (only prefill-computed KV, bit-identical answers).
 * ``agg``: one vLLM server with prefix caching, no P/D, ``--agg-engine-arg`` (give it the memory of P + D);
   clients talk to it directly (no router; the session header is sent and ignored).
@@ -63,9 +67,16 @@ from bench._plugin_args import (
 )
 
 NAME = "goodput"
-LEGS = ("off", "floor", "on", "exact", "agg")
+LEGS = ("off", "floor", "on", "tiered", "exact", "agg")
 # Legs that run on the same engines (one start for both).
-CLUSTER_OF = {"off": "off", "floor": "floor", "on": "reuse", "exact": "reuse", "agg": "agg"}
+CLUSTER_OF = {
+    "off": "off",
+    "floor": "floor",
+    "on": "reuse",
+    "tiered": "tiered",
+    "exact": "reuse",
+    "agg": "agg",
+}
 
 
 def groups(legs: Sequence[str]) -> list[tuple[str, list[str]]]:
@@ -154,13 +165,16 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         ("on_vs_off", "off", 2.0),
         ("on_vs_agg", "agg", 1.0),
         ("exact_vs_off", "off", 2.0),
+        # Issue 46: the host tier serves >= 2x the HBM-only lease's turns within the SLO, and >= one server's.
+        ("tiered_vs_on", "on", 2.0),
+        ("tiered_vs_agg", "agg", 1.0),
     ):
-        mine = "exact" if name.startswith("exact") else "on"
+        mine = name.split("_vs_")[0]
         out[f"{name}_goodput"] = ratio(goodput(mine), goodput(other))
         out[f"{name}_met"] = met(goodput(mine), goodput(other), need)
         if mine in legs and other in legs:
             out[f"{name}_at_equal_loads"] = at_equal_loads(mine, other)
-    for leg in ("on", "exact"):
+    for leg in ("on", "tiered", "exact"):
         if leg in legs:
             hit = legs[leg]["knee"]["hit_rate"]
             out[f"{leg}_hit_rate_at_knee"] = hit
@@ -187,10 +201,10 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 def router_settings(leg: str, path_policy: str, extra: Sequence[str]) -> dict[str, Any]:
     """The router's settings in a P/D leg: reuse only in ``on`` and ``exact``, ``exact=true`` only in
     ``exact`` (OFF is stock P/D: decode keeps its prefix cache); ``extra`` (``KEY=VALUE``) wins."""
-    if leg not in ("off", "floor", "on", "exact"):
+    if leg not in ("off", "floor", "on", "tiered", "exact"):
         raise ValueError(f"leg {leg!r} has no router")
     settings: dict[str, Any] = {
-        "reuse": leg in ("on", "exact"),
+        "reuse": leg in ("on", "tiered", "exact"),
         "exact": leg == "exact",
         "path_policy": path_policy,
     }
@@ -296,12 +310,12 @@ class _Deployment:
         else:
             from agentkv.server.launch._cluster import Cluster, ClusterConfig
 
+            reuse = self.group in ("reuse", "tiered")
             config = ClusterConfig(
                 model=args.model,
                 device=args.device,
-                bidirectional=self.group == "reuse",
-                prefill_prefix_caching=self.group == "floor"
-                or (self.group == "reuse" and args.prefill_prefix_caching),
+                bidirectional=reuse,
+                prefill_prefix_caching=self.group == "floor" or (reuse and args.prefill_prefix_caching),
                 router_port=None,
                 max_model_len=args.max_model_len,
                 lease_s=args.lease_s,
@@ -312,11 +326,15 @@ class _Deployment:
                 decode_args=list(args.decode_engine_arg or []),
                 extra_kv_config=dict(args.kv_config),
                 env=env,
-                **plugin_fields(args, reuse=self.group == "reuse"),
+                **plugin_fields(args, reuse=reuse),
                 prefill_port=free_port(offsets=[LEASE_PORT_OFFSET]),
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )
             self.cluster = Cluster(config=config)
+            if self.group == "tiered":
+                # ClusterConfig has no field for the tier: set on decode's spec before the start.
+                for engine in self.cluster.decodes:
+                    engine.spec.kv_offload_bytes = args.host_tier_bytes
             self.cluster.up()
             self.endpoints = [
                 Endpoint(role=e.spec.role, url=e.spec.url, service_url=e.spec.service_url)
@@ -509,6 +527,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--path-policy", default="auto")
     ap.add_argument("--router-setting", action="append", help="KEY=VALUE router setting (repeat)")
     ap.add_argument("--lease-s", type=float, default=30.0)
+    ap.add_argument(
+        "--host-tier-bytes",
+        type=int,
+        default=256 << 20,
+        help="tiered leg: decode's host KV tier (vLLM's OffloadingConnector, EngineSpec.kv_offload_bytes)",
+    )
     ap.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag for P and D (repeat)")
     ap.add_argument(

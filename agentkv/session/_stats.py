@@ -16,12 +16,14 @@ from agentkv._constants import (
     H_PULLED_TOKENS,
     H_REUSE,
     H_REUSED_TOKENS,
+    H_TIER,
 )
 
 __all__ = ["RouterHeaders", "TurnStats", "render_summary"]
 
-# `local`: decode served the turn from KV it already held, which is reuse too.
-_REUSED = frozenset({"hit", "local"})
+# `local`: decode served the turn from KV it already held under the lease, `cached`: from what its prefix
+# cache or host KV tier still held after the lease ended; both are reuse too.
+_REUSED = frozenset({"hit", "local", "cached"})
 UNKNOWN = "unknown"
 
 
@@ -38,6 +40,8 @@ class RouterHeaders(BaseModel):
     path: str | None = None
     prefill_ms: float | None = None
     lease_expires_in_s: float | None = None
+    # On a `cached` turn, where decode found the KV: "hbm" (its KV cache) or "host" (restored from its tier).
+    tier: str | None = None
 
     @classmethod
     def parse(cls, headers: Mapping[str, str]) -> RouterHeaders:
@@ -49,6 +53,7 @@ class RouterHeaders(BaseModel):
             path=headers.get(H_PATH),
             prefill_ms=_float(headers.get(H_PREFILL_MS)),
             lease_expires_in_s=_float(headers.get(H_LEASE_EXPIRES_IN)),
+            tier=headers.get(H_TIER),
         )
 
     @property
@@ -87,6 +92,7 @@ class TurnStats(BaseModel):
     pulled_tokens: int | None  # of reused_tokens, read from decode (None: the prefill does not say)
     reuse: str  # the x-agentkv-reuse header, "unknown" when the server sent none
     path: str | None
+    tier: str | None  # a `cached` turn's: "hbm" or "host" (decode restored the KV from its host tier)
     prefill_ms: float | None
     since_previous_s: float | None  # gap since the previous turn ended (tool time, user think time)
     lease_expires_in_s: float | None
@@ -109,6 +115,7 @@ class TurnStats(BaseModel):
                 "pulled_tokens": router.pulled_tokens,
                 "reuse": reuse,
                 "path": router.path,
+                "tier": router.tier,
                 "prefill_ms": router.prefill_ms,
                 "lease_expires_in_s": router.lease_expires_in_s,
                 "lease_expired": lease_expired_before or reuse == "expired",

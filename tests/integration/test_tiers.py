@@ -11,6 +11,10 @@ agentkv's connector (and its leases still hold); the restored turn reuses (its p
 tier, not from a recompute); its answer is bit for bit the answer of the same turn whose blocks never left
 decode's KV cache (the tier copies bytes), and the answer of a recompute up to rounding.
 
+A conversation is demoted when its tool starts: the SDK's heartbeat says so, the router asks decode to end the
+lease (its blocks are in the host tier too), and once other prompts have evicted them the next turn runs
+decode-local over their host copies.
+
 And the router knows the tier: a ~1,700-token conversation (~54 blocks) is over decode's retention cap (50
 of its 100 blocks), so decode declines to retain it; once other prompts have evicted its blocks from decode's
 KV cache, decode's ``cached/`` answer counts them in its host tier, and the router sends the next turn
@@ -25,11 +29,13 @@ from typing import Any
 
 import pytest
 
+from agentkv import Session
 from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
 from ._clusters import LOG_DIR, ROUTER_PORT_FROM, Clusters, cluster_config
 from ._helpers import (
+    MODEL,
     Turn,
     assert_agrees_up_to_rounding,
     chat,
@@ -222,5 +228,65 @@ def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tie
 
         # Prefill alone is an ordinary single server computing the whole prompt: its answer, up to rounding.
         assert_agrees_up_to_rounding(second, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
+    finally:
+        router.stop()
+
+
+def test_a_conversation_demoted_when_its_tool_starts_is_restored_from_the_host_tier(tiered: Cluster) -> None:
+    p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
+    assert p.service_url and d.service_url
+    router = start_router(
+        port=free_port(ROUTER_PORT_FROM),
+        prefill=[p.url],
+        decode=[d.url],
+        log=LOG_DIR / "router-tiers-demote.log",
+        args=["--no-exact"],
+    )
+    try:
+        with Session(base_url=f"{router.url}/v1", model=MODEL) as session:
+            session.chat(_messages(p.url, 11), max_tokens=8, temperature=0)
+            lease = session.lease()
+            assert lease is not None and lease["lease"]["state"] == "held", lease  # retained under a lease
+            demotions = service_info(d.service_url)["stats"]["demotions"]
+
+            # The harness is about to run a tool: the SDK's heartbeat says so and the router demotes.
+            session.tool_call_started()
+            wait_until(
+                lambda: (session.lease() or {}).get("tier") == "host",
+                timeout_s=30,
+                what=lambda: f"the conversation demoted: {session.lease()}",
+            )
+            assert service_info(d.service_url)["stats"]["demotions"] == demotions + 1
+            assert service_info(d.service_url)["retained"] == 0  # decode holds no lease for it
+            # The tool runs meanwhile; other conversations evict its blocks from decode's KV cache.
+            for k in range(FILLERS):
+                _decode_local(d.url, _messages(p.url, 11000 + k), salt=f"demote-filler-{k}")
+
+            history = [*session.history, {"role": "user", "content": "tool result: 42"}]
+            before = _sources(d.url)
+            turn = chat(
+                router.url,
+                history,
+                conversation_id=session.conversation_id,
+                max_tokens=8,
+                extra={"top_logprobs": 5},
+            )
+        assert turn.headers["x-agentkv-path"] == "decode-local", turn.headers
+        assert turn.headers["x-agentkv-reuse"] == "cached", turn.headers
+        assert turn.headers["x-agentkv-tier"] == "host", turn.headers
+        assert int(turn.headers["x-agentkv-reused-tokens"]) > PROMPT_TOKENS - 2 * BLOCK, turn.headers
+        delta: dict[str, float] = {}
+
+        def counted() -> bool:
+            delta.update(_delta(_sources(d.url), before))
+            return delta["external_kv_transfer"] > 0 and delta["restored_bytes"] > 0
+
+        # Decode read the conversation back from host memory rather than computing it.
+        wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
+        assert delta["external_kv_transfer"] > PROMPT_TOKENS - 4 * BLOCK, delta
+        assert metric(router.url, "agentkv_demotions_total", cause="tool_call") == 1
+
+        # Prefill alone computing the whole prompt: the same answer, up to rounding.
+        assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
     finally:
         router.stop()

@@ -94,6 +94,8 @@ class BackendState:
     # ... and takes a chat body cut to its last message beside them (`agentkv._wire.cut_messages`).
     messages_cut: bool = False
     registration: Registration | None = None
+    # Bytes of KV per token on this decode (its retention service's info): prices a host-tier restore.
+    kv_bytes_per_token: float | None = None
     # Decode's KV block size, from vLLM's `vllm:cache_config_info`, learned when the router first cuts a stock
     # decode's offer itself; None until then, and again after the backend went down.
     block_size: int | None = None

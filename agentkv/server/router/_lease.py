@@ -69,6 +69,8 @@ class LeaseClient:
         if info is not None:
             lease_s = info.get("lease_s")
             decode.lease_s = float(lease_s) if isinstance(lease_s, (int, float)) else None
+            per_token = info.get("kv_bytes_per_token")
+            decode.kv_bytes_per_token = float(per_token) if isinstance(per_token, (int, float)) else None
             engine_id = info.get("engine_id")
             if isinstance(engine_id, str):
                 decode.saw_registration(

@@ -338,6 +338,7 @@ def choose_path(
     prefill_queue_cap: int = 0,
     context_tokens: int = 0,
     cached_tokens: int = 0,
+    restore_ms: float = 0.0,
 ) -> PathDecision:
     """Pick the cheapest path to the first token for this turn.
 
@@ -356,8 +357,9 @@ def choose_path(
     without reusable blocks.
 
     ``cached_tokens``: where decode retains nothing this turn may reuse (its retention cap declined the last
-    turn, or the lease ran out), the tokens of the prompt its prefix cache still holds; ``new_tokens`` is
-    then the rest. See `_cached_path`."""
+    turn, the lease ran out, or the conversation was demoted), the tokens of the prompt its prefix cache or
+    host tier still holds; ``new_tokens`` is then the rest. ``restore_ms``: what copying the host tier's part
+    back costs (bytes over the link). See `_cached_path`."""
     if not exact and policy != "always-pd":
         if policy == "always-local":
             return PathDecision(path="decode-local", reason="policy always-local")
@@ -375,6 +377,7 @@ def choose_path(
                 decode_outstanding=decode_outstanding,
                 local_max_tokens=local_max_tokens,
                 model=model,
+                restore_ms=restore_ms,
             )
         return PathDecision(path="recompute", reason="no reusable blocks")
     if policy == "always-pd":
@@ -394,18 +397,32 @@ def choose_path(
     return PathDecision(path="pull", reason=f"pd ~{pd_ms:.1f} ms < local ~{local_ms:.1f} ms")
 
 
-def _cached_path(
-    *, new_tokens: int, cached_tokens: int, decode_outstanding: int, local_max_tokens: int, model: CostModel
-) -> PathDecision:
-    """Decode-local over what decode's prefix cache still holds, or a recompute on prefill.
+# Until the lines are measured: a cached prefix at least this many times the suffix goes decode-local even on
+# a busy decode. Recomputing it on prefill costs that many suffixes' compute (and its KV's move to decode),
+# where decode-local delays decode's other streams by one suffix's compute (plus a restore over a link that
+# moves KV ~30x faster than a GPU computes it).
+_CACHED_LOCAL_RATIO = 8
 
-    Decode-local is then what one vLLM server with its prefix cache does with the turn: it computes only
-    the `new_tokens` its cache lacks. A recompute computes the whole prompt on prefill (less what prefill's
-    own cache holds) and moves all of its KV to decode: at long contexts seconds against milliseconds. So
-    decode-local, unless the suffix is over `local_max_tokens`, or the measured lines say otherwise: the
-    local line at this context, scaled by decode's load as for a hit, against the P/D line for the whole
-    prompt computed (no context reused). Until the local line is measured, decode-local only on an idle
-    decode, as for a hit."""
+
+def _cached_path(
+    *,
+    new_tokens: int,
+    cached_tokens: int,
+    decode_outstanding: int,
+    local_max_tokens: int,
+    model: CostModel,
+    restore_ms: float = 0.0,
+) -> PathDecision:
+    """Decode-local over what decode's prefix cache (or host tier) still holds, or a recompute on prefill.
+
+    Decode-local is then what one vLLM server with its prefix cache (and offloading) does with the turn: it
+    computes only the `new_tokens` it lacks, after copying back what its host tier holds (`restore_ms`). A
+    recompute computes the whole prompt on prefill (less what prefill's own cache holds) and moves all of its
+    KV to decode: at long contexts seconds against milliseconds. So decode-local, unless the suffix is over
+    `local_max_tokens`, or the measured lines say otherwise: the local line at this context, scaled by
+    decode's load as for a hit, plus the restore, against the P/D line for the whole prompt computed (no
+    context reused). Until the lines are measured, decode-local on an idle decode, or where the cached prefix
+    is `_CACHED_LOCAL_RATIO` times the suffix or more."""
     if new_tokens > local_max_tokens:
         return PathDecision(
             path="recompute", reason=f"decode caches ~{cached_tokens}; suffix ~{new_tokens} > local cap"
@@ -413,10 +430,16 @@ def _cached_path(
     if model.local.samples < _MIN_SAMPLES or model.pd.samples < _MIN_SAMPLES:
         if decode_outstanding == 0:
             return PathDecision(path="decode-local", reason=f"decode caches ~{cached_tokens}; decode idle")
+        if cached_tokens >= _CACHED_LOCAL_RATIO * max(new_tokens, 1):
+            return PathDecision(
+                path="decode-local", reason=f"decode caches ~{cached_tokens} >> suffix ~{new_tokens}"
+            )
         return PathDecision(path="recompute", reason=f"decode caches ~{cached_tokens}; learning, decode busy")
-    local_ms = (model.local.predict(new_tokens, context=cached_tokens) or 0.0) * (1 + decode_outstanding)
+    local_ms = (model.local.predict(new_tokens, context=cached_tokens) or 0.0) * (
+        1 + decode_outstanding
+    ) + restore_ms
     recompute_ms = model.pd.predict(new_tokens + cached_tokens) or 0.0
-    costs = f"local ~{local_ms:.1f} ms, recompute ~{recompute_ms:.1f} ms"
+    costs = f"local ~{local_ms:.1f} ms (restore ~{restore_ms:.1f}), recompute ~{recompute_ms:.1f} ms"
     if local_ms <= recompute_ms:
         return PathDecision(path="decode-local", reason=f"decode caches ~{cached_tokens}: {costs}")
     return PathDecision(path="recompute", reason=f"decode caches ~{cached_tokens}: {costs}")

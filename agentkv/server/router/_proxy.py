@@ -215,6 +215,7 @@ class TurnRunner:
             prefill_queue_cap=self._s.prefill_queue_cap,
             cached_tokens=cached,
             context_tokens=self._held_tokens(turn, record) if verdict in ("ok", "partial") else 0,
+            restore_ms=host * (decode.kv_bytes_per_token or 0.0) / (self._s.host_restore_gbps * 1e6),
         )
         book.decided(turn, decision)
         turn.path = decision.path

@@ -142,6 +142,10 @@ class RouterSettings(BaseSettings):
     # exclude decode-local turns, and a demoted conversation cannot be pulled. docs/tiers.md.
     demote_on_tool_call: bool = True
     demote_idle_s: float = Field(default=0.0, ge=0)
+    # What the path choice assumes a restore from decode's host tier moves, GB/s: decode's KV bytes per token
+    # (its retention service says) times the tokens restored, over this. Measured on an H100 (PCIe Gen5 x16,
+    # vLLM's offloading worker): 52 GB/s (bench/results/tiers_h100).
+    host_restore_gbps: float = Field(default=50.0, gt=0)
     timeouts: Timeouts = Field(default_factory=Timeouts)
     health_interval_s: float = Field(default=5.0, ge=0)
     store_url: str | None = None

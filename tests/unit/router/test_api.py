@@ -195,9 +195,8 @@ async def test_a_heartbeat_after_demote_idle_s_demotes(engines: FakeEngines, mak
         record = await store.get("-/c1")
         assert record is not None and record.turn_ended_at is not None
         # The turn ended a minute ago (the record's clock is the epoch's, set by the turn).
-        await store.compare_and_set(
-            "-/c1", dataclasses.replace(record, turn_ended_at=record.turn_ended_at - 60), expected=record.version
-        )
+        idle = dataclasses.replace(record, turn_ended_at=record.turn_ended_at - 60)
+        assert await store.compare_and_set("-/c1", idle, expected=record.version)
         hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
         metrics = (await client.get("/metrics")).text
     assert hb["lease"]["state"] == "demoted" and len(engines.demoted) == 1

@@ -52,9 +52,19 @@ def test_a_cached_conversation_goes_decode_local() -> None:
     assert f"decode caches ~{CONTEXT}" in decision.reason
 
 
-def test_learning_goes_local_only_on_an_idle_decode() -> None:
+def test_learning_goes_local_on_an_idle_decode_or_over_a_long_cached_prefix() -> None:
     assert _decide(CostModel(), cached=CONTEXT).path == "decode-local"
-    assert _decide(CostModel(), cached=CONTEXT, load=1).path == "recompute"
+    # Busy: local where the cached prefix is >= 8 suffixes (a recompute costs that many), else recompute.
+    assert _decide(CostModel(), cached=CONTEXT, load=1).path == "decode-local"
+    assert _decide(CostModel(), cached=8 * 512, load=1).path == "decode-local"
+    assert _decide(CostModel(), cached=8 * 512 - 1, load=1).path == "recompute"
+
+
+def test_the_restore_from_the_host_tier_is_priced() -> None:
+    # Local ~(20 + 51 + 100) ms against a recompute ~10 s: a restore of 9 s still goes local, one of 11 s not.
+    assert _decide(_trained(), cached=CONTEXT, restore_ms=9_000).path == "decode-local"
+    decision = _decide(_trained(), cached=CONTEXT, restore_ms=11_000)
+    assert decision.path == "recompute" and "restore ~11000.0" in decision.reason
 
 
 def test_a_suffix_over_the_local_cap_recomputes() -> None:
@@ -180,3 +190,42 @@ async def test_a_turn_that_does_not_extend_the_last_asks_nothing(
         assert await store.compare_and_set("-/c1", declined, expected=record.version)
         r = await _chat(client, [{"role": "user", "content": "something else entirely"}])
     assert r.headers["x-agentkv-path"] == "recompute" and asked == []
+
+
+async def test_a_demoted_conversations_next_turn_goes_decode_local_over_the_host_tier(
+    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    control = engines._control
+
+    def with_cached(name: str, method: str, path: str, body: Any) -> httpx.Response:
+        if method == "GET" and path.startswith("/agentkv/v1/cached/"):
+            return httpx.Response(200, json={"cached_tokens": 4096, "host_tokens": 4096})
+        return control(name, method, path, body)
+
+    monkeypatch.setattr(engines, "_control", with_cached)
+    engines.host_tier = {"d0.test"}
+    async with make_client(path_policy="auto") as client:
+        first = (await _chat(client, USER1)).json()
+        beat = await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True})
+        assert beat.json()["lease"]["state"] == "demoted"
+        prefills = len(engines.completions("p"))
+        r = await _chat(client, [*USER1, first["choices"][0]["message"], {"role": "user", "content": "42"}])
+    assert (r.headers["x-agentkv-path"], r.headers["x-agentkv-reuse"]) == ("decode-local", "cached")
+    assert r.headers["x-agentkv-tier"] == "host"
+    assert len(engines.completions("p")) == prefills  # no P hop, no pull of the released lease
+
+
+async def test_the_probe_learns_decodes_kv_bytes_per_token() -> None:
+    info = {"engine_id": "D", "kv_bytes_per_token": 147456}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=info)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        leases = LeaseClient(client=client, timeout_s=1.0)
+        decode = BackendState(
+            backend=Backend(name="d0", role="decode", url="http://d0:8200", control_url="http://d0:8201")
+        )
+        assert await leases.probe(decode) and decode.kv_bytes_per_token == 147456
+        info["kv_bytes_per_token"] = None  # a decode that does not know (or an older agentkv)
+        assert await leases.probe(decode) and decode.kv_bytes_per_token is None

@@ -166,6 +166,8 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             "retention_capacity_blocks": None if self.leases is None else self.leases.capacity_blocks,
             "fixed_ttl_s": None if self.leases else self.decoder_kv_blocks_ttl,
             "block_size": self.block_size,
+            # What a token's KV weighs across layers: the router prices a restore from the host tier by it.
+            "kv_bytes_per_token": self.cost.bytes_per_token,
             "prefix_check": self.agentkv.prefix_check,
             "stats": self._stats(),
             "cost_model": self.cost.snapshot(),
