@@ -103,3 +103,27 @@ def test_the_tool_loop_tells_the_router_when_tools_run(
         session.run("Population of Porto?", tools=[run_tool], parallel_tools=False)
     assert sent[0] and beats.call_count == 1
     assert json.loads(beats.calls[0].request.content) == {"tool_call": True}
+
+
+async def test_the_async_tool_loop_tells_the_router_when_tools_run(
+    control: respx.MockRouter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    beats = control.post(path__regex=r"/conversations/.+/heartbeat").respond(
+        200, json={"conversation_id": "c", "lease": {"state": "held", "expires_in_s": 30, "renewable": True}}
+    )
+    router = script(control=control.handler)
+    session = AsyncSession(base_url=BASE, model="m", http_client=router.async_client(), heartbeat=True)
+    monkeypatch.setattr(session._heartbeat, "notify", lambda: None)  # no task: beat by hand
+    sent: list[bool] = []
+
+    async def run_tool(city: str) -> str:
+        """Population of a city."""
+        await session._heartbeat.run_once()  # the beat the task would send as the tool starts
+        sent.append(beats.call_count == 1)
+        return lookup(city)
+
+    run_tool.__name__ = "lookup"
+    async with session:
+        await session.run("Population of Porto?", tools=[run_tool], parallel_tools=False)
+    assert sent[0] and beats.call_count == 1
+    assert json.loads(beats.calls[0].request.content) == {"tool_call": True}
