@@ -5,7 +5,7 @@
 #   bash scripts/gpu/tiers_load.sh OUT on         # ON, HBM only
 #   bash scripts/gpu/tiers_load.sh OUT agg        # one vLLM server with P + D's KV (36 GiB), prefix cache
 # Eight conversations of 64k tokens arrive in 30 s, four turns each (512-token tool results, 64 tokens out),
-# tool gaps lognormal around 20 s (most 7-60 s, at most 120 s). The first beat of a gap says a tool call
+# tool gaps lognormal around 15 s (most 5-40 s, at most 120 s). The first beat of a gap says a tool call
 # started; `demote_idle_s=5` demotes on a later beat where decode refused the first (its tier still storing). Each leg takes ~4-5 min, engine start
 # included; then `python -m bench.goodput --merge` joins the legs' JSONs here.
 set -uo pipefail
@@ -14,8 +14,8 @@ OUT=${1:?out dir}; LEG=${2:?leg: on, tiered or agg}; shift 2
 HOST_TIER=${HOST_TIER_BYTES:-73014444032}
 LOAD_BUDGET_S=${LOAD_BUDGET_S:-480} LOAD_KILL_S=${LOAD_KILL_S:-560} bash scripts/gpu/load.sh "$OUT" "$LEG" \
   --max-model-len 131072 --env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 --contexts 65536 --turns 4 --suffix 512 \
-  --output-tokens 64 --gap-median-s 20 --gap-sigma 0.6 --max-gap-s 120 --rates 0.27 --window-s 30 \
-  --drain-s 130 --host-tier-bytes "$HOST_TIER" --records --router-setting demote_idle_s=5 \
+  --output-tokens 64 --gap-median-s 15 --gap-sigma 0.6 --max-gap-s 120 --rates 0.27 --window-s 30 \
+  --drain-s 110 --host-tier-bytes "$HOST_TIER" --records --router-setting demote_idle_s=5 \
   --engine-arg=--gpu-memory-utilization --engine-arg=0.40 \
   --engine-arg=--kv-cache-memory-bytes --engine-arg=19327352832 \
   --agg-engine-arg=--gpu-memory-utilization --agg-engine-arg=0.8 \
