@@ -80,9 +80,9 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             payload.update(messages_as_is(payload["messages"], payload.get("extra_body")))
         return payload
 
-    def _touch(self, headers: Mapping[str, str] | None) -> None:
+    def _touch(self, headers: Mapping[str, str] | None, *, tool_calls: bool) -> None:
         if self.agentkv_session is not None and not self.agentkv_session.closed:
-            self.agentkv_session.touch(headers)
+            self.agentkv_session.touch(headers, tool_calls=tool_calls)
 
     def _finish(
         self,
@@ -93,6 +93,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         usage: Mapping[str, Any] | None,
         streamed: bool,
         ttft_s: float | None = None,
+        tool_calls: bool = False,
     ) -> None:
         self._turn_log.record(
             request_id=request_id,
@@ -103,7 +104,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             completion_tokens=(usage or {}).get("output_tokens"),
             ttft_s=ttft_s,
         )
-        self._touch(headers)
+        self._touch(headers, tool_calls=tool_calls)
 
     @staticmethod
     def _headers_of(result: Any) -> Mapping[str, str] | None:
@@ -112,6 +113,11 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         message = getattr(generations[0], "message", None)
         metadata = getattr(message, "response_metadata", None) or {}
         return info.get("headers") or metadata.get("headers")
+
+    @staticmethod
+    def _calls_tools(result: Any) -> bool:
+        generations = getattr(result, "generations", None) or [result]
+        return bool(getattr(getattr(generations[0], "message", None), "tool_calls", None))
 
     @staticmethod
     def _usage_of(result: Any) -> Mapping[str, Any] | None:
@@ -124,7 +130,12 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             messages, stop=stop, run_manager=run_manager, **self._with_identity(kwargs, rid)
         )
         self._finish(
-            rid, started, headers=self._headers_of(result), usage=self._usage_of(result), streamed=False
+            rid,
+            started,
+            headers=self._headers_of(result),
+            usage=self._usage_of(result),
+            streamed=False,
+            tool_calls=self._calls_tools(result),
         )
         return result
 
@@ -136,7 +147,12 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             messages, stop=stop, run_manager=run_manager, **self._with_identity(kwargs, rid)
         )
         self._finish(
-            rid, started, headers=self._headers_of(result), usage=self._usage_of(result), streamed=False
+            rid,
+            started,
+            headers=self._headers_of(result),
+            usage=self._usage_of(result),
+            streamed=False,
+            tool_calls=self._calls_tools(result),
         )
         return result
 
@@ -151,7 +167,13 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             stream.add(chunk)
             yield chunk
         self._finish(
-            rid, started, headers=stream.headers, usage=stream.usage, streamed=True, ttft_s=stream.ttft_s
+            rid,
+            started,
+            headers=stream.headers,
+            usage=stream.usage,
+            streamed=True,
+            ttft_s=stream.ttft_s,
+            tool_calls=stream.tool_calls,
         )
 
     async def _astream(
@@ -165,7 +187,13 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
             stream.add(chunk)
             yield chunk
         self._finish(
-            rid, started, headers=stream.headers, usage=stream.usage, streamed=True, ttft_s=stream.ttft_s
+            rid,
+            started,
+            headers=stream.headers,
+            usage=stream.usage,
+            streamed=True,
+            ttft_s=stream.ttft_s,
+            tool_calls=stream.tool_calls,
         )
 
 
@@ -178,10 +206,12 @@ class _StreamStats:
         self.headers: Mapping[str, str] | None = None
         self.usage: Mapping[str, Any] | None = None
         self.ttft_s: float | None = None
+        self.tool_calls = False
 
     def add(self, chunk: Any) -> None:
         self.headers = self.headers or AgentKVChatOpenAI._headers_of(chunk)
         self.usage = AgentKVChatOpenAI._usage_of(chunk) or self.usage
         message = getattr(chunk, "message", None)
+        self.tool_calls = self.tool_calls or bool(getattr(message, "tool_call_chunks", None))
         if self.ttft_s is None and (str(chunk.text or "") or getattr(message, "tool_call_chunks", None)):
             self.ttft_s = self._now() - self._started

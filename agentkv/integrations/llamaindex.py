@@ -116,7 +116,9 @@ class AgentKVLLM(OpenAILike):  # type: ignore[misc]
             ttft_s=ttft_s,
         )
         if self._session is not None and not self._session.closed:
-            self._session.touch(headers)
+            message = getattr(response, "message", None)
+            calls = (getattr(message, "additional_kwargs", None) or {}).get("tool_calls")
+            self._session.touch(headers, tool_calls=bool(calls))
 
     def chat(self, messages: Sequence[Any], **kwargs: Any) -> Any:
         rid, started = new_request_id(), self._turn_log.now()

@@ -165,7 +165,6 @@ class AsyncSession(BaseSession):
         while (step := loop.next_step()) is not None:
             pending, params = step
             if calls := loop.answered(await self.chat(pending, **params)):
-                self.tool_call_started()
                 loop.tool_results(await loop.toolbox.aexecute(calls, parallel=parallel_tools))
         return loop.result()
 

@@ -155,16 +155,22 @@ class SessionCore:
             from_agentkv=router.from_agentkv,
             final=turn.final,
         )
+        if message.tool_calls and not turn.final:
+            # An answer that calls tools: the caller runs them next (the heartbeat says so at once).
+            self.scheduler.tool_call_started(now)
         return stats
 
-    def touch(self, headers: Mapping[str, str] | None) -> None:
-        """A turn of this conversation went through another client (an adapter)."""
+    def touch(self, headers: Mapping[str, str] | None, *, tool_calls: bool = False) -> None:
+        """A turn of this conversation went through another client (an adapter); ``tool_calls``: its answer
+        called tools."""
         router = RouterHeaders.parse(headers or {})
         now = self._clock()
         self._last_turn_end = now
         self.scheduler.turn_finished(
             now, lease_expires_in_s=router.lease_expires_in_s, from_agentkv=router.from_agentkv
         )
+        if tool_calls:
+            self.scheduler.tool_call_started(now)
 
     def fail(self) -> None:
         self.scheduler.turn_failed()
@@ -210,10 +216,11 @@ class BaseSession:
         """Headers that tie a request made elsewhere (an adapter, a raw client) to this conversation."""
         return self._core.identity_headers()
 
-    def touch(self, response_headers: Mapping[str, str] | None = None) -> None:
+    def touch(self, response_headers: Mapping[str, str] | None = None, *, tool_calls: bool = False) -> None:
         """Record a turn sent by another client (an adapter): restarts the idle clock and re-plans
-        heartbeats from the lease the response reported."""
-        self._core.touch(response_headers)
+        heartbeats from the lease the response reported; ``tool_calls``: the answer called tools, which the
+        next heartbeat tells the router (it may demote the conversation to decode's host tier meanwhile)."""
+        self._core.touch(response_headers, tool_calls=tool_calls)
         self._heartbeat.notify()
 
     def summary(self) -> str:

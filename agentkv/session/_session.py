@@ -175,14 +175,14 @@ class Session(BaseSession):
         while (step := loop.next_step()) is not None:
             pending, params = step
             if calls := loop.answered(self.chat(pending, **params)):
-                self.tool_call_started()
                 loop.tool_results(loop.toolbox.execute(calls, parallel=parallel_tools))
         return loop.result()
 
     def tool_call_started(self) -> None:
-        """Say that tools are about to run (``run`` does): one heartbeat now tells the router, which may then
-        move the conversation's KV from decode's HBM to its host tier while they run. Call it where your own
-        harness runs the tools; it returns at once (the heartbeat thread sends it)."""
+        """Say that tools are about to run: one heartbeat now tells the router, which may then move the
+        conversation's KV from decode's HBM to its host tier while they run. A turn whose answer calls tools
+        does this itself; call it where your harness runs tools the answer does not call as such (a ReAct
+        text protocol). It returns at once (the heartbeat thread sends it)."""
         self._heartbeat.tool_call_started()
 
     # -- lifetime -----------------------------------------------------------------------------------

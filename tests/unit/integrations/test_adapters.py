@@ -311,7 +311,9 @@ def test_header_hook_does_nothing_outside_a_capture() -> None:
 @pytest.mark.skipif(
     importlib.util.find_spec("llama_index.llms.openai_like") is None, reason="llamaindex extra missing"
 )
-def test_llamaindex_tool_calls_go_through_the_adapter(session: Session) -> None:
+def test_llamaindex_tool_calls_go_through_the_adapter(
+    session: Session, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from llama_index.core.llms import ChatMessage
     from llama_index.core.tools import FunctionTool
     from llama_index.core.tools.calling import call_tool_with_selection
@@ -331,6 +333,10 @@ def test_llamaindex_tool_calls_go_through_the_adapter(session: Session) -> None:
     llm = AgentKVLLM.from_session(
         session, http_client=router.client(), is_function_calling_model=True, max_retries=0
     )
+    touched: list[bool] = []
+    monkeypatch.setattr(
+        session, "touch", lambda headers=None, *, tool_calls=False: touched.append(tool_calls)
+    )
     tools = [FunctionTool.from_defaults(fn=add)]
     history = [ChatMessage(role="user", content="2+3?")]
     first = llm.chat_with_tools(tools, chat_history=list(history), tool_required=True)
@@ -346,6 +352,7 @@ def test_llamaindex_tool_calls_go_through_the_adapter(session: Session) -> None:
     assert router.bodies[1]["messages"][-1] == {"role": "tool", "content": "5", "tool_call_id": "call-1"}
     assert all(r.headers["x-smg-routing-key"] == "conv-lc" for r in router.requests)
     assert len(llm.turns) == 2
+    assert touched == [True, False]  # the answer that called a tool tells the session tools run next
 
 
 @pytest.mark.skipif(
@@ -364,3 +371,33 @@ def test_llamaindex_stream_stopped_early_records_no_turn(session: Session) -> No
     assert llm.turns == []
     assert llm.chat([ChatMessage(role="user", content="q")]).message.content == "next"
     assert [t.streamed for t in llm.turns] == [False]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("langchain_openai") is None, reason="langchain extra missing")
+@pytest.mark.parametrize("stream", [False, True])
+def test_langchain_tells_the_session_when_an_answer_calls_tools(
+    session: Session, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    from agentkv.integrations.langchain import AgentKVChatOpenAI
+
+    call = ("call-1", "add", '{"a": 2, "b": 3}')
+    replies = (
+        [
+            ScriptedReply.stream([], tool_calls=[(0, "call-1", "add", ['{"a": 2,', ' "b": 3}'])]),
+            ScriptedReply.stream(["five"]),
+        ]
+        if stream
+        else [ScriptedReply.completion(None, tool_calls=[call]), ScriptedReply.completion("five")]
+    )
+    router = ScriptedRouter(replies)
+    llm = AgentKVChatOpenAI.from_session(session, http_client=router.client(), max_retries=0)
+    touched: list[bool] = []
+    monkeypatch.setattr(
+        session, "touch", lambda headers=None, *, tool_calls=False: touched.append(tool_calls)
+    )
+    for _ in range(2):
+        if stream:
+            list(llm.stream("2+3?"))
+        else:
+            llm.invoke("2+3?")
+    assert touched == [True, False]
