@@ -16,8 +16,11 @@ __all__ = ["Conversations"]
 
 # Heartbeats race with turns of the same conversation; a few CAS retries settle it without a lock.
 _CAS_ATTEMPTS = 3
-# A demotion waits this long for a turn of its conversation to let go of the lock, then renews instead.
+# A beat that may demote waits this long for a running turn of its conversation to let go of the lock, then
+# renews instead; one saying a tool call started waits for the bookkeeping of the turn that just ended (at
+# most ~1 s: decode's answer to `retained/`), within the SDK's 5 s control timeout.
 _DEMOTE_LOCK_WAIT_S = 0.1
+_TOOL_BEAT_LOCK_WAIT_S = 2.0
 
 
 class Conversations:
@@ -51,11 +54,20 @@ class Conversations:
         settings = self._sv.settings
         extend_s, tool_call = _beat_body(raw, settings.lease_s)
         extend_s = min(extend_s, settings.max_lease_s)
-        cause = self._demotion(await self._get(key), tool_call=tool_call)
-        if cause is not None:
-            demoted = await self._demote(key, conversation_id, cause)
-            if demoted is not None:
-                return demoted
+        if self._may_demote(tool_call=tool_call):
+            # Under the conversation's lock: never under a running turn, which may be reading the blocks. A
+            # tool-call beat is sent the moment a turn ends, while that turn's bookkeeping may still be
+            # writing its record: it waits for it (a beat that overwrote it would cost the turn its blocks)
+            # and then acts on the record the turn wrote.
+            wait = _TOOL_BEAT_LOCK_WAIT_S if tool_call else _DEMOTE_LOCK_WAIT_S
+            async with self._sv.store.lock(key, timeout=wait) as locked:
+                if locked:
+                    cause = self._demotion(await self._get(key), tool_call=tool_call)
+                    demoted = None if cause is None else await self._demote(key, conversation_id, cause)
+                    return demoted or await self._renew(key, conversation_id, extend_s)
+        return await self._renew(key, conversation_id, extend_s)
+
+    async def _renew(self, key: str, conversation_id: str, extend_s: float) -> dict[str, Any]:
         for _ in range(_CAS_ATTEMPTS):
             record = await self._get(key)
             state, _left = record.lease_view()
@@ -77,10 +89,17 @@ class Conversations:
                 return self.view(conversation_id, updated)
         raise client_error(409, "conversation is busy; retry the heartbeat", code="conversation_busy")
 
+    def _may_demote(self, *, tool_call: bool) -> bool:
+        """Whether the settings let this beat demote at all (checked before taking the lock)."""
+        s = self._sv.settings
+        if s.exact or not s.reuse or s.path_policy == "always-pd":
+            return False
+        return (tool_call and s.demote_on_tool_call) or s.demote_idle_s > 0
+
     def _demotion(self, record: ConversationRecord, *, tool_call: bool) -> str | None:
         """Why this heartbeat should demote the conversation to decode's host tier, or None."""
         s = self._sv.settings
-        if s.exact or not s.reuse or s.path_policy == "always-pd" or record.lease_view()[0] != "held":
+        if not self._may_demote(tool_call=tool_call) or record.lease_view()[0] != "held":
             return None
         if tool_call and s.demote_on_tool_call:
             return "tool_call"
@@ -92,24 +111,20 @@ class Conversations:
     async def _demote(self, key: str, conversation_id: str, cause: str) -> dict[str, Any] | None:
         """End decode's lease early where its host tier holds the blocks; the record then says `demoted`
         and the next turn runs decode-local over what decode still has (the router's `cached` path). None
-        where decode refused (no tier, blocks not all in it) or a turn of this conversation is running: a
-        turn may be reading these blocks, so the lease is renewed instead."""
-        store = self._sv.store
-        async with store.lock(key, timeout=_DEMOTE_LOCK_WAIT_S) as locked:
-            if not locked:
+        where decode refused (no tier, blocks not all in it): the lease is renewed instead. The caller
+        holds the conversation's lock."""
+        for _ in range(_CAS_ATTEMPTS):
+            record = await self._get(key)
+            decode = self._sv.decode.get(record.decode)
+            if decode is None or record.lease_view()[0] != "held":
                 return None
-            for _ in range(_CAS_ATTEMPTS):
-                record = await self._get(key)
-                decode = self._sv.decode.get(record.decode)
-                if decode is None or record.lease_view()[0] != "held":
-                    return None
-                if not await self._sv.leases.demote(decode, record.request_id):
-                    return None
-                updated = dataclasses.replace(record, lease_state="demoted", expires_at=time.time())
-                if await store.compare_and_set(key, updated, expected=record.version):
-                    self._sv.metrics.demotions[cause].inc()
-                    return self.view(conversation_id, updated)
-                # A heartbeat renewed it meanwhile: decode's lease is gone all the same, so write again.
+            if not await self._sv.leases.demote(decode, record.request_id):
+                return None
+            updated = dataclasses.replace(record, lease_state="demoted", expires_at=time.time())
+            if await self._sv.store.compare_and_set(key, updated, expected=record.version):
+                self._sv.metrics.demotions[cause].inc()
+                return self.view(conversation_id, updated)
+            # A beat without the lock renewed it meanwhile: decode's lease is gone all the same; write again.
         return None
 
     async def forget(self, key: str, conversation_id: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from typing import Any
@@ -161,6 +162,34 @@ async def test_a_tool_call_demotes_the_conversation_where_decode_has_a_host_tier
     assert again["lease"]["state"] == "demoted"  # a later beat has nothing to renew
     assert 'agentkv_demotions_total{cause="tool_call"} 1.0' in metrics
     assert released is False and not engines.released  # no lease left to release
+
+
+async def test_a_tool_call_beat_during_a_turns_bookkeeping_waits_for_the_record_the_turn_writes(
+    engines: FakeEngines, make_client
+) -> None:
+    """The SDK beats the moment an answer that calls tools ends, while the router may still be writing that
+    turn's record: the beat waits for the conversation's lock and demotes the turn's own lease, instead of
+    renewing the previous one and making the turn's write lose (which would release the turn's blocks)."""
+    engines.host_tier = {"d0.test"}
+    async with make_client(path_policy="auto") as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        engines.stream_gate = asyncio.Event()
+        before = len(engines.completions("d"))
+        turn = asyncio.create_task(
+            client.post(CHAT, json={**GOOD, "stream": True}, headers={"x-session-id": "c1"})
+        )
+        while len(engines.completions("d")) < before + 1:
+            await asyncio.sleep(0)
+        beat = asyncio.create_task(client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True}))
+        await asyncio.sleep(0.05)
+        assert not beat.done()  # waiting for the running turn
+        engines.stream_gate.set()
+        await turn
+        hb = (await beat).json()
+        second = engines.requests("d0", CHAT)[-1][1]["x-request-id"]
+    assert hb["lease"]["state"] == "demoted"
+    assert engines.demoted == [second]  # the lease of the turn that just ended
+    assert second not in engines.released
 
 
 async def test_a_tool_call_renews_where_decode_has_no_host_tier(engines: FakeEngines, make_client) -> None:
