@@ -106,6 +106,27 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         )
         self._touch(headers, tool_calls=tool_calls)
 
+    def _finish_result(self, request_id: str, started: float, result: Any) -> None:
+        self._finish(
+            request_id,
+            started,
+            headers=self._headers_of(result),
+            usage=self._usage_of(result),
+            streamed=False,
+            tool_calls=self._calls_tools(result),
+        )
+
+    def _finish_stream(self, request_id: str, started: float, stream: _StreamStats) -> None:
+        self._finish(
+            request_id,
+            started,
+            headers=stream.headers,
+            usage=stream.usage,
+            streamed=True,
+            ttft_s=stream.ttft_s,
+            tool_calls=stream.tool_calls,
+        )
+
     @staticmethod
     def _headers_of(result: Any) -> Mapping[str, str] | None:
         generations = getattr(result, "generations", None) or [result]
@@ -129,14 +150,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         result = super()._generate(
             messages, stop=stop, run_manager=run_manager, **self._with_identity(kwargs, rid)
         )
-        self._finish(
-            rid,
-            started,
-            headers=self._headers_of(result),
-            usage=self._usage_of(result),
-            streamed=False,
-            tool_calls=self._calls_tools(result),
-        )
+        self._finish_result(rid, started, result)
         return result
 
     async def _agenerate(
@@ -146,14 +160,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         result = await super()._agenerate(
             messages, stop=stop, run_manager=run_manager, **self._with_identity(kwargs, rid)
         )
-        self._finish(
-            rid,
-            started,
-            headers=self._headers_of(result),
-            usage=self._usage_of(result),
-            streamed=False,
-            tool_calls=self._calls_tools(result),
-        )
+        self._finish_result(rid, started, result)
         return result
 
     def _stream(
@@ -166,15 +173,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         ):
             stream.add(chunk)
             yield chunk
-        self._finish(
-            rid,
-            started,
-            headers=stream.headers,
-            usage=stream.usage,
-            streamed=True,
-            ttft_s=stream.ttft_s,
-            tool_calls=stream.tool_calls,
-        )
+        self._finish_stream(rid, started, stream)
 
     async def _astream(
         self, messages: Any, stop: Any = None, run_manager: Any = None, **kwargs: Any
@@ -186,15 +185,7 @@ class AgentKVChatOpenAI(ChatOpenAI):  # type: ignore[misc]
         ):
             stream.add(chunk)
             yield chunk
-        self._finish(
-            rid,
-            started,
-            headers=stream.headers,
-            usage=stream.usage,
-            streamed=True,
-            ttft_s=stream.ttft_s,
-            tool_calls=stream.tool_calls,
-        )
+        self._finish_stream(rid, started, stream)
 
 
 class _StreamStats:

@@ -36,6 +36,7 @@ from agentkv.server.launch._model import tiny_serving
 from ._clusters import LOG_DIR, ROUTER_PORT_FROM, Clusters, cluster_config
 from ._helpers import (
     MODEL,
+    RouterProc,
     Turn,
     assert_agrees_up_to_rounding,
     chat,
@@ -163,6 +164,36 @@ def _conversation(
     return turn3, delta, third
 
 
+def _router(cluster: Cluster, log: str) -> RouterProc:
+    """A router in front of the cluster in the default mode (a `cached` turn needs `exact` off)."""
+    return start_router(
+        port=free_port(ROUTER_PORT_FROM),
+        prefill=[e.spec.url for e in cluster.prefills],
+        decode=[e.spec.url for e in cluster.decodes],
+        log=LOG_DIR / log,
+        args=["--no-exact"],
+    )
+
+
+def _assert_restored_from_the_host_tier(
+    turn: Turn, decode_url: str, before: dict[str, float], *, tokens: int
+) -> None:
+    """The router sent ``turn`` (a conversation of ~``tokens`` prompt tokens) decode-local over what decode's
+    host tier held, said so, and decode read the conversation back from the tier rather than computing it."""
+    assert turn.headers["x-agentkv-path"] == "decode-local", turn.headers
+    assert turn.headers["x-agentkv-reuse"] == "cached", turn.headers
+    assert turn.headers["x-agentkv-tier"] == "host", turn.headers
+    assert int(turn.headers["x-agentkv-reused-tokens"]) > tokens - 2 * BLOCK, turn.headers
+    delta: dict[str, float] = {}
+
+    def counted() -> bool:
+        delta.update(_delta(_sources(decode_url), before))
+        return delta["external_kv_transfer"] > 0 and delta["restored_bytes"] > 0
+
+    wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
+    assert delta["external_kv_transfer"] > tokens - 4 * BLOCK, delta
+
+
 def test_a_conversation_evicted_in_its_tool_gap_is_restored_from_the_host_tier_bit_for_bit(
     tiered: Cluster,
 ) -> None:
@@ -191,13 +222,7 @@ def test_a_conversation_evicted_in_its_tool_gap_is_restored_from_the_host_tier_b
 def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tiered: Cluster) -> None:
     p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
     assert p.service_url and d.service_url
-    router = start_router(
-        port=free_port(ROUTER_PORT_FROM),
-        prefill=[p.url],
-        decode=[d.url],
-        log=LOG_DIR / "router-tiers-auto.log",
-        args=["--no-exact"],
-    )
+    router = _router(tiered, "router-tiers-auto.log")
     try:
         cid = new_id("tier-host")
         history = messages_under(p.url, 7, DECLINED_TOKENS, words=1200, start=150)
@@ -211,19 +236,7 @@ def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tie
         history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "tool: 42"}]
         before = _sources(d.url)
         second = chat(router.url, history, conversation_id=cid, max_tokens=8, extra={"top_logprobs": 5})
-        assert second.headers["x-agentkv-path"] == "decode-local", second.headers
-        assert second.headers["x-agentkv-reuse"] == "cached", second.headers
-        assert second.headers["x-agentkv-tier"] == "host", second.headers
-        assert int(second.headers["x-agentkv-reused-tokens"]) > DECLINED_TOKENS - 2 * BLOCK, second.headers
-        delta: dict[str, float] = {}
-
-        def counted() -> bool:
-            delta.update(_delta(_sources(d.url), before))
-            return delta["external_kv_transfer"] > 0 and delta["restored_bytes"] > 0
-
-        # Decode read the conversation back from the tier rather than computing it.
-        wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
-        assert delta["external_kv_transfer"] > DECLINED_TOKENS - 2 * BLOCK - 2 * BLOCK, delta
+        _assert_restored_from_the_host_tier(second, d.url, before, tokens=DECLINED_TOKENS)
         assert metric(router.url, "agentkv_host_tier_tokens_total") > 0
 
         # Prefill alone is an ordinary single server computing the whole prompt: its answer, up to rounding.
@@ -235,13 +248,7 @@ def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tie
 def test_a_conversation_demoted_when_its_tool_starts_is_restored_from_the_host_tier(tiered: Cluster) -> None:
     p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
     assert p.service_url and d.service_url
-    router = start_router(
-        port=free_port(ROUTER_PORT_FROM),
-        prefill=[p.url],
-        decode=[d.url],
-        log=LOG_DIR / "router-tiers-demote.log",
-        args=["--no-exact"],
-    )
+    router = _router(tiered, "router-tiers-demote.log")
     try:
         with Session(base_url=f"{router.url}/v1", model=MODEL) as session:
             session.chat(_messages(p.url, 11), max_tokens=8, temperature=0)
@@ -271,19 +278,7 @@ def test_a_conversation_demoted_when_its_tool_starts_is_restored_from_the_host_t
                 max_tokens=8,
                 extra={"top_logprobs": 5},
             )
-        assert turn.headers["x-agentkv-path"] == "decode-local", turn.headers
-        assert turn.headers["x-agentkv-reuse"] == "cached", turn.headers
-        assert turn.headers["x-agentkv-tier"] == "host", turn.headers
-        assert int(turn.headers["x-agentkv-reused-tokens"]) > PROMPT_TOKENS - 2 * BLOCK, turn.headers
-        delta: dict[str, float] = {}
-
-        def counted() -> bool:
-            delta.update(_delta(_sources(d.url), before))
-            return delta["external_kv_transfer"] > 0 and delta["restored_bytes"] > 0
-
-        # Decode read the conversation back from host memory rather than computing it.
-        wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the turn: {delta}")
-        assert delta["external_kv_transfer"] > PROMPT_TOKENS - 4 * BLOCK, delta
+        _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
         assert metric(router.url, "agentkv_demotions_total", cause="tool_call") == 1
 
         # Prefill alone computing the whole prompt: the same answer, up to rounding.
