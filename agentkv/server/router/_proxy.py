@@ -309,17 +309,24 @@ class TurnRunner:
         ):
             return 0, 0, 0
         ids = turn.prompt_ids
+        limit: int | None = None  # tokens of the prompt proven equal to what decode had (None: all of it)
         if record.tokens is not None and ids is not None:
-            extends = record.tokens.extended_by(ids)
+            match = record.tokens.match(ids)
+            # A prompt that extends only some of the held ids' whole blocks (an answer that re-renders to
+            # other ids, an edited history) still finds those in decode's prefix cache: vLLM matches blocks
+            # by their tokens' hashes, as for any prompt.
+            extends, limit = match.extends or match.verified > 0, None if match.extends else match.verified
         else:
             extends = record.prefix is not None and record.prefix.matches(turn.body)
         if not extends:
             return 0, 0, 0
-        cached, host = await self._sv.leases.cached(decode, record.request_id)
+        held, host = await self._sv.leases.cached(decode, record.request_id)
         if ids is None:
-            return cached, self._new_tokens(turn, record), host
-        cached = min(cached, max(len(ids) - 1, 0))  # vLLM computes at least a prompt's last token
-        return cached, len(ids) - cached, min(host, cached)
+            return held, self._new_tokens(turn, record), host
+        # vLLM computes at least a prompt's last token.
+        cached = min(held, max(len(ids) - 1, 0), len(ids) if limit is None else limit)
+        # The host tier's part is the count's tail (decode counts its KV cache's leading blocks first).
+        return cached, len(ids) - cached, max(0, min(host, cached - (held - host)))
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""

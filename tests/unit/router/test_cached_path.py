@@ -229,3 +229,36 @@ async def test_the_probe_learns_decodes_kv_bytes_per_token() -> None:
         assert await leases.probe(decode) and decode.kv_bytes_per_token == 147456
         info["kv_bytes_per_token"] = None  # a decode that does not know (or an older agentkv)
         assert await leases.probe(decode) and decode.kv_bytes_per_token is None
+
+
+async def test_a_demoted_conversations_prompt_that_matches_some_blocks_uses_those(
+    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the token path, a demoted conversation's next prompt that drops the last answer (a format-error
+    retry) still shares whole blocks with what decode had: the turn goes decode-local over those, counted up
+    to the last whole block the router proves equal, not over decode's whole count."""
+    from .test_block_digests import USER1 as ASK
+    from .test_block_digests import render_ids, whole_matching_blocks
+
+    control = engines._control
+
+    def with_cached(name: str, method: str, path: str, body: Any) -> httpx.Response:
+        if method == "GET" and path.startswith("/agentkv/v1/cached/"):
+            return httpx.Response(200, json={"cached_tokens": 10_000, "host_tokens": 10_000})
+        return control(name, method, path, body)
+
+    monkeypatch.setattr(engines, "_control", with_cached)
+    engines.renders = True
+    engines.host_tier = {"d0.test"}
+    retry = [*ASK, {"role": "user", "content": "format error: answer with one command"}]
+    async with make_client(tokens=True, path_policy="auto") as client:
+        await _chat(client, ASK)
+        assert (await client.post("/v1/conversations/c1/heartbeat", json={"tool_call": True})).json()[
+            "lease"
+        ]["state"] == "demoted"
+        r = await _chat(client, retry)
+    first, second = (render_ids(b) for b, _ in engines.requests("p", "/v1/chat/completions/render"))
+    want = whole_matching_blocks(first, second, 4)
+    assert 0 < want < len(first)
+    assert (r.headers["x-agentkv-path"], r.headers["x-agentkv-reuse"]) == ("decode-local", "cached")
+    assert int(r.headers["x-agentkv-reused-tokens"]) == want and r.headers["x-agentkv-tier"] == "host"
