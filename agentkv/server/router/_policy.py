@@ -422,15 +422,19 @@ def _cached_path(
     `local_max_tokens`, or the measured lines say otherwise: the local line at this context, scaled by
     decode's load as for a hit, plus the restore, against the P/D line for the whole prompt computed (no
     context reused). Until the lines are measured, decode-local on an idle decode, or where the cached prefix
-    is `_CACHED_LOCAL_RATIO` times the suffix or more."""
-    if new_tokens > local_max_tokens:
+    is `_CACHED_LOCAL_RATIO` times the suffix or more (such a prefix also lifts `local_max_tokens`)."""
+    long_prefix = cached_tokens >= _CACHED_LOCAL_RATIO * max(new_tokens, 1)
+    if new_tokens > local_max_tokens and not long_prefix:
+        # A suffix over the cap still goes local over a prefix many times its length: the alternative is
+        # not a short pull but computing the whole prompt (a 512-token tool result plus the last answer and
+        # the blocks decode's tier never stored is just over the cap at any context).
         return PathDecision(
             path="recompute", reason=f"decode caches ~{cached_tokens}; suffix ~{new_tokens} > local cap"
         )
     if model.local.samples < _MIN_SAMPLES or model.pd.samples < _MIN_SAMPLES:
         if decode_outstanding == 0:
             return PathDecision(path="decode-local", reason=f"decode caches ~{cached_tokens}; decode idle")
-        if cached_tokens >= _CACHED_LOCAL_RATIO * max(new_tokens, 1):
+        if long_prefix:
             return PathDecision(
                 path="decode-local", reason=f"decode caches ~{cached_tokens} >> suffix ~{new_tokens}"
             )

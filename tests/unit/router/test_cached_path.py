@@ -67,8 +67,11 @@ def test_the_restore_from_the_host_tier_is_priced() -> None:
     assert decision.path == "recompute" and "restore ~11000.0" in decision.reason
 
 
-def test_a_suffix_over_the_local_cap_recomputes() -> None:
-    assert _decide(_trained(), cached=CONTEXT, new=5000).path == "recompute"
+def test_a_suffix_over_the_local_cap_recomputes_unless_the_cached_prefix_is_many_times_longer() -> None:
+    assert _decide(_trained(), cached=CONTEXT, new=5000, local_max_tokens=4096).path == "decode-local"
+    assert _decide(_trained(), cached=8 * 5000 - 1, new=5000, local_max_tokens=4096).path == "recompute"
+    learning = _decide(CostModel(), cached=8 * 5000, new=5000, local_max_tokens=4096, load=2)
+    assert learning.path == "decode-local"
 
 
 def test_a_loaded_decode_recomputes_where_that_is_cheaper() -> None:
