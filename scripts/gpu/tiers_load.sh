@@ -10,8 +10,9 @@
 # included; then `python -m bench.goodput --merge` joins the legs' JSONs here.
 set -uo pipefail
 OUT=${1:?out dir}; LEG=${2:?leg: on, tiered or agg}; shift 2
-# 68 GiB of pinned host memory: ~495k tokens of 8B KV, about the eight conversations (the host has ~125 GB).
-HOST_TIER=${HOST_TIER_BYTES:-73014444032}
+# 48 GiB of pinned host memory (~350k tokens of 8B KV, about five of the eight conversations): 68 GiB failed
+# to pin on the H100 host (CUDA out of memory in vLLM's CPUOffloadingWorker) though it has ~125 GB of RAM.
+HOST_TIER=${HOST_TIER_BYTES:-51539607552}
 LOAD_BUDGET_S=${LOAD_BUDGET_S:-480} LOAD_KILL_S=${LOAD_KILL_S:-560} bash scripts/gpu/load.sh "$OUT" "$LEG" \
   --max-model-len 131072 --env VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 --contexts 65536 --turns 4 --suffix 512 \
   --output-tokens 64 --gap-median-s 15 --gap-sigma 0.6 --max-gap-s 120 --rates 0.27 --window-s 30 \
