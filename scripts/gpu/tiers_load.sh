@@ -6,8 +6,8 @@
 #   bash scripts/gpu/tiers_load.sh OUT agg        # one vLLM server with P + D's KV (36 GiB), prefix cache
 # Eight conversations of 64k tokens arrive in 30 s, four turns each (512-token tool results, 64 tokens out),
 # tool gaps lognormal around 15 s (most 5-40 s, at most 120 s). The first beat of a gap says a tool call
-# started; `demote_idle_s=5` demotes on a later beat where decode refused the first (its tier still storing). Each leg takes ~4-5 min, engine start
-# included; then `python -m bench.goodput --merge` joins the legs' JSONs here.
+# started; `demote_idle_s=5` demotes on a later beat where decode refused the first (its tier still storing).
+# Each leg takes ~4 min, engine start included; `python -m bench.goodput --merge` joins the legs' JSONs here.
 set -uo pipefail
 OUT=${1:?out dir}; LEG=${2:?leg: on, tiered or agg}; shift 2
 # 48 GiB of pinned host memory (~350k tokens of 8B KV, about five of the eight conversations): 68 GiB failed
