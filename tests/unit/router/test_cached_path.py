@@ -195,17 +195,22 @@ async def test_a_turn_that_does_not_extend_the_last_asks_nothing(
     assert r.headers["x-agentkv-path"] == "recompute" and asked == []
 
 
-async def test_a_demoted_conversations_next_turn_goes_decode_local_over_the_host_tier(
-    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _decode_caches(engines: FakeEngines, monkeypatch: pytest.MonkeyPatch, *, tokens: int, host: int) -> None:
+    """Decode's `cached/` answers: `tokens` of any request still cached, `host` of them in its host tier."""
     control = engines._control
 
     def with_cached(name: str, method: str, path: str, body: Any) -> httpx.Response:
         if method == "GET" and path.startswith("/agentkv/v1/cached/"):
-            return httpx.Response(200, json={"cached_tokens": 4096, "host_tokens": 4096})
+            return httpx.Response(200, json={"cached_tokens": tokens, "host_tokens": host})
         return control(name, method, path, body)
 
     monkeypatch.setattr(engines, "_control", with_cached)
+
+
+async def test_a_demoted_conversations_next_turn_goes_decode_local_over_the_host_tier(
+    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _decode_caches(engines, monkeypatch, tokens=4096, host=4096)
     engines.host_tier = {"d0.test"}
     async with make_client(path_policy="auto") as client:
         first = (await _chat(client, USER1)).json()
@@ -243,14 +248,7 @@ async def test_a_demoted_conversations_prompt_that_matches_some_blocks_uses_thos
     from .test_block_digests import USER1 as ASK
     from .test_block_digests import render_ids, whole_matching_blocks
 
-    control = engines._control
-
-    def with_cached(name: str, method: str, path: str, body: Any) -> httpx.Response:
-        if method == "GET" and path.startswith("/agentkv/v1/cached/"):
-            return httpx.Response(200, json={"cached_tokens": 10_000, "host_tokens": 10_000})
-        return control(name, method, path, body)
-
-    monkeypatch.setattr(engines, "_control", with_cached)
+    _decode_caches(engines, monkeypatch, tokens=10_000, host=10_000)
     engines.renders = True
     engines.host_tier = {"d0.test"}
     retry = [*ASK, {"role": "user", "content": "format error: answer with one command"}]
