@@ -294,8 +294,9 @@ class TurnRunner:
     ) -> tuple[int, int, int]:
         """(tokens of this prompt decode still has cached, tokens beyond them, of the cached those in its host
         tier) for a turn of a conversation whose decode retains nothing it may reuse (its retention cap
-        declined the last turn, or the lease ran out); zeros where decode cannot say, or the prompt does not
-        extend the last one."""
+        declined the last turn, the lease ran out, or the conversation was demoted); zeros where decode cannot
+        say, or the prompt shares no whole block with what decode had (on ids: counted up to the last whole
+        block the router proves equal)."""
         s = self._s
         if (
             record is None
