@@ -234,18 +234,21 @@ async def _stream(
 
 async def _heartbeat(client: httpx.AsyncClient, url: str, cid: str, gap_s: float, every_s: float) -> None:
     """Sleep through a tool gap, heartbeating every ``every_s`` as the SDK's Session does (0: never); its
-    first beat, at once, says a tool call started, as ``Session.run`` does before it runs tools."""
+    first beat, at once, says a tool call started, as the SDK's does after an answer that calls tools."""
     end = time.perf_counter() + gap_s
-    if every_s > 0:
+
+    async def beat(body: dict[str, Any] | None = None) -> None:
+        # A missed beat shows as an expired lease on the next turn, which is what we measure.
         with contextlib.suppress(httpx.HTTPError):
-            await client.post(f"{url}/v1/conversations/{cid}/heartbeat", json={"tool_call": True}, timeout=5)
+            await client.post(f"{url}/v1/conversations/{cid}/heartbeat", json=body, timeout=5)
+
+    if every_s > 0:
+        await beat({"tool_call": True})
     while (left := end - time.perf_counter()) > 0:
         step = left if every_s <= 0 else min(left, every_s)
         await asyncio.sleep(step)
         if every_s > 0 and end - time.perf_counter() > 0:
-            # A missed beat shows as an expired lease on the next turn, which is what we measure.
-            with contextlib.suppress(httpx.HTTPError):
-                await client.post(f"{url}/v1/conversations/{cid}/heartbeat", timeout=5)
+            await beat()
 
 
 async def run_step(

@@ -199,8 +199,8 @@ def merge(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def router_settings(leg: str, path_policy: str, extra: Sequence[str]) -> dict[str, Any]:
-    """The router's settings in a P/D leg: reuse only in ``on`` and ``exact``, ``exact=true`` only in
-    ``exact`` (OFF is stock P/D: decode keeps its prefix cache); ``extra`` (``KEY=VALUE``) wins."""
+    """The router's settings in a P/D leg: reuse only in ``on``, ``tiered`` and ``exact``, ``exact=true``
+    only in ``exact`` (OFF is stock P/D: decode keeps its prefix cache); ``extra`` (``KEY=VALUE``) wins."""
     if leg not in ("off", "floor", "on", "tiered", "exact"):
         raise ValueError(f"leg {leg!r} has no router")
     settings: dict[str, Any] = {
@@ -324,6 +324,7 @@ class _Deployment:
                 extra_args=list(args.engine_arg or []),
                 prefill_args=list(args.prefill_engine_arg or []),
                 decode_args=list(args.decode_engine_arg or []),
+                decode_kv_offload_bytes=args.host_tier_bytes if self.group == "tiered" else 0,
                 extra_kv_config=dict(args.kv_config),
                 env=env,
                 **plugin_fields(args, reuse=reuse),
@@ -331,10 +332,6 @@ class _Deployment:
                 decode_port=free_port(offsets=[LEASE_PORT_OFFSET]),
             )
             self.cluster = Cluster(config=config)
-            if self.group == "tiered":
-                # ClusterConfig has no field for the tier: set on decode's spec before the start.
-                for engine in self.cluster.decodes:
-                    engine.spec.kv_offload_bytes = args.host_tier_bytes
             self.cluster.up()
             self.endpoints = [
                 Endpoint(role=e.spec.role, url=e.spec.url, service_url=e.spec.service_url)

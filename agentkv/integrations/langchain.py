@@ -202,7 +202,7 @@ class _StreamStats:
     def add(self, chunk: Any) -> None:
         self.headers = self.headers or AgentKVChatOpenAI._headers_of(chunk)
         self.usage = AgentKVChatOpenAI._usage_of(chunk) or self.usage
-        message = getattr(chunk, "message", None)
-        self.tool_calls = self.tool_calls or bool(getattr(message, "tool_call_chunks", None))
-        if self.ttft_s is None and (str(chunk.text or "") or getattr(message, "tool_call_chunks", None)):
+        calls = getattr(getattr(chunk, "message", None), "tool_call_chunks", None)
+        self.tool_calls = self.tool_calls or bool(calls)
+        if self.ttft_s is None and (str(chunk.text or "") or calls):
             self.ttft_s = self._now() - self._started

@@ -154,10 +154,9 @@ class SessionCore:
             lease_expires_in_s=router.lease_expires_in_s,
             from_agentkv=router.from_agentkv,
             final=turn.final,
-        )
-        if message.tool_calls and not turn.final:
             # An answer that calls tools: the caller runs them next (the heartbeat says so at once).
-            self.scheduler.tool_call_started(now)
+            tool_calls=bool(message.tool_calls),
+        )
         return stats
 
     def touch(self, headers: Mapping[str, str] | None, *, tool_calls: bool = False) -> None:
@@ -167,10 +166,11 @@ class SessionCore:
         now = self._clock()
         self._last_turn_end = now
         self.scheduler.turn_finished(
-            now, lease_expires_in_s=router.lease_expires_in_s, from_agentkv=router.from_agentkv
+            now,
+            lease_expires_in_s=router.lease_expires_in_s,
+            from_agentkv=router.from_agentkv,
+            tool_calls=tool_calls,
         )
-        if tool_calls:
-            self.scheduler.tool_call_started(now)
 
     def fail(self) -> None:
         self.scheduler.turn_failed()

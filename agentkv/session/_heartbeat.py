@@ -65,8 +65,15 @@ class HeartbeatScheduler:
             self._tool_call = False
 
     def turn_finished(
-        self, now: float, *, lease_expires_in_s: float | None, from_agentkv: bool, final: bool = False
+        self,
+        now: float,
+        *,
+        lease_expires_in_s: float | None,
+        from_agentkv: bool,
+        final: bool = False,
+        tool_calls: bool = False,
     ) -> None:
+        """``tool_calls``: the answer called tools, which the caller runs next (`tool_call_started`)."""
         with self._lock:
             self._in_turn = False
             self._last_turn_end = now
@@ -79,15 +86,22 @@ class HeartbeatScheduler:
             # Streams carry no lease header; assume the router's default lease until a beat says more.
             lease = DEFAULT_LEASE_S if lease_expires_in_s is None else lease_expires_in_s
             self._plan(now, lease)
+            if tool_calls:
+                self._beat_for_tools(now)
 
     def tool_call_started(self, now: float) -> None:
         """The caller is about to run tools: beat now, saying so, so that the router may move the
         conversation's KV out of decode's HBM for the time they run (to its host tier, where it has one).
         Nothing while no lease is being kept alive (no turn yet, a final turn, a stock server)."""
         with self._lock:
-            if self.enabled and not self._closed and not self._in_turn and self._next_at is not None:
-                self._tool_call = True
-                self._next_at = now
+            if not self._in_turn:
+                self._beat_for_tools(now)
+
+    def _beat_for_tools(self, now: float) -> None:
+        # Under the lock.
+        if self.enabled and not self._closed and self._next_at is not None:
+            self._tool_call = True
+            self._next_at = now
 
     def take_tool_call(self) -> bool:
         """True once per `tool_call_started`: whether the beat about to be sent carries it."""

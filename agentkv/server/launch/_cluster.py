@@ -93,6 +93,9 @@ class ClusterConfig:
     # conversations gets more of a shared GPU's KV memory than its prefill.
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
+    # Each decode's host KV tier (vLLM's OffloadingConnector beside agentkv's, `EngineSpec.kv_offload_bytes`);
+    # 0: none. docs/tiers.md.
+    decode_kv_offload_bytes: int = 0
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
     # NIXL's first handshakes (agentkv.server.launch._warmup). A pair that cannot serve them fails the start.
@@ -237,6 +240,7 @@ class ClusterConfig:
                         prefix_caching=self.decode_prefix_caching,
                         cpu_core=(self.n_prefill + i) % ncpu if pin else None,
                         extra_args=[*self.extra_args, *self.decode_args],
+                        kv_offload_bytes=self.decode_kv_offload_bytes,
                         log_path=self.log_dir / f"decode{i}.log",
                         **placed(self.n_prefill + i),
                     ),

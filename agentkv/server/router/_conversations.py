@@ -62,9 +62,10 @@ class Conversations:
             wait = _TOOL_BEAT_LOCK_WAIT_S if tool_call else _DEMOTE_LOCK_WAIT_S
             async with self._sv.store.lock(key, timeout=wait) as locked:
                 if locked:
-                    cause = self._demotion(await self._get(key), tool_call=tool_call)
-                    demoted = None if cause is None else await self._demote(key, conversation_id, cause)
-                    return demoted or await self._renew(key, conversation_id, extend_s)
+                    record = await self._get(key)
+                    cause = self._demotion(record, tool_call=tool_call)
+                    view = None if cause is None else await self._demote(key, conversation_id, record, cause)
+                    return view or await self._renew(key, conversation_id, extend_s)
         return await self._renew(key, conversation_id, extend_s)
 
     async def _renew(self, key: str, conversation_id: str, extend_s: float) -> dict[str, Any]:
@@ -97,9 +98,10 @@ class Conversations:
         return (tool_call and s.demote_on_tool_call) or s.demote_idle_s > 0
 
     def _demotion(self, record: ConversationRecord, *, tool_call: bool) -> str | None:
-        """Why this heartbeat should demote the conversation to decode's host tier, or None."""
+        """Why this heartbeat, which `_may_demote`, should demote the conversation to decode's host tier, or
+        None."""
         s = self._sv.settings
-        if not self._may_demote(tool_call=tool_call) or record.lease_view()[0] != "held":
+        if record.lease_view()[0] != "held":
             return None
         if tool_call and s.demote_on_tool_call:
             return "tool_call"
@@ -108,13 +110,16 @@ class Conversations:
             return "idle"
         return None
 
-    async def _demote(self, key: str, conversation_id: str, cause: str) -> dict[str, Any] | None:
-        """End decode's lease early where its host tier holds the blocks; the record then says `demoted`
-        and the next turn runs decode-local over what decode still has (the router's `cached` path). None
-        where decode refused (no tier, blocks not all in it): the lease is renewed instead. The caller
-        holds the conversation's lock."""
-        for _ in range(_CAS_ATTEMPTS):
-            record = await self._get(key)
+    async def _demote(
+        self, key: str, conversation_id: str, record: ConversationRecord, cause: str
+    ) -> dict[str, Any] | None:
+        """End decode's lease early where its host tier holds the blocks; the record (`record`, as the
+        caller read it) then says `demoted` and the next turn runs decode-local over what decode still has
+        (the router's `cached` path). None where decode refused (no tier, blocks not all in it): the lease
+        is renewed instead. The caller holds the conversation's lock."""
+        for attempt in range(_CAS_ATTEMPTS):
+            if attempt:
+                record = await self._get(key)
             decode = self._sv.decode.get(record.decode)
             if decode is None or record.lease_view()[0] != "held":
                 return None

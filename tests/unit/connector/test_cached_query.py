@@ -181,9 +181,7 @@ def test_a_lease_is_demoted_only_where_the_host_tier_holds_its_blocks() -> None:
     cached.blocks_per_chunk = 2
     cached.keep("chatcmpl-r1-0", [b"a", b"b", b"c", b"d", b"e", b"f"])
     stats: dict[str, int] = {}
-    svc = RetentionService(
-        table=table, host="127.0.0.1", port=0, info=dict, cached=cached, stats=stats, block_size=BLOCK
-    )
+    svc = RetentionService(table=table, host="127.0.0.1", port=0, info=dict, cached=cached, stats=stats)
     table.add("chatcmpl-r1-0", {}, 6 * BLOCK + 1, block_ids=range(7))
     demote = "/agentkv/v1/leases/r1/demote"
 

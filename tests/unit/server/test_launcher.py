@@ -132,6 +132,15 @@ def test_cpu_engines_are_pinned_only_when_each_gets_its_own_core(monkeypatch: py
     assert all(s.env["OMP_NUM_THREADS"] == "2" for _, s in mine)
 
 
+def test_a_clusters_host_tier_goes_to_its_decodes_only() -> None:
+    specs = ClusterConfig(model="/m", device="cpu", n_decode=2, decode_kv_offload_bytes=64 << 20).specs()
+    assert [(s.role, s.kv_offload_bytes) for _, s in specs] == [
+        ("prefill", 0),
+        ("decode", 64 << 20),
+        ("decode", 64 << 20),
+    ]
+
+
 def test_each_engine_gets_its_own_gpus_in_order_prefills_first() -> None:
     specs = ClusterConfig(model="/m", device="gpu", n_prefill=1, n_decode=2, gpus=["0", "1", "2,3"]).specs()
     got = {name: build_command(spec)[1].get("CUDA_VISIBLE_DEVICES") for name, spec in specs}

@@ -149,7 +149,6 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 token=token,
                 cached=self.cached,
                 stats=self.stats,
-                block_size=self.block_size,
             )
             self.service.start()
 

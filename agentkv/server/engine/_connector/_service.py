@@ -85,13 +85,11 @@ class RetentionService:
         token: str | None = None,
         cached: CachedPrompts | None = None,
         stats: dict[str, int] | None = None,
-        block_size: int = 16,
     ) -> None:
         self.table = table
         self.cached = cached
         # The scheduler's counters: the service adds its own (`demotions`), which the scheduler never writes.
         self.stats = stats if stats is not None else {}
-        self.block_size = block_size
         self._demote_lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._finished_lock = threading.Lock()
@@ -168,8 +166,9 @@ class RetentionService:
         if host is None:
             return 409, {"demoted": False, "error": "decode has no host KV tier (or forgot the request)"}
         assert self.cached is not None
-        held = int(lease.get("num_tokens") or 0) // self.block_size * self.block_size
-        chunk = self.cached.blocks_per_chunk * self.block_size
+        block = self.cached.block_size
+        held = int(lease.get("num_tokens") or 0) // block * block
+        chunk = self.cached.blocks_per_chunk * block
         if host < held - chunk:
             return 409, {
                 "demoted": False,
