@@ -15,6 +15,10 @@ A conversation is demoted when its tool starts: the SDK's heartbeat says so, the
 lease (its blocks are in the host tier too), and once other prompts have evicted them the next turn runs
 decode-local over their host copies.
 
+A retention over decode's cap demotes a held conversation whose blocks the host tier has, instead of being
+declined: two ~27-block conversations do not fit under the 50-block cap together, so the second's retention
+ends the first's lease, and the first's next turn restores its blocks from the tier.
+
 And the router knows the tier: a ~1,700-token conversation (~54 blocks) is over decode's retention cap (50
 of its 100 blocks), so decode declines to retain it; once other prompts have evicted its blocks from decode's
 KV cache, decode's ``cached/`` answer counts them in its host tier, and the router sends the next turn
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 
 from agentkv import Session
@@ -38,6 +43,7 @@ from ._helpers import (
     Turn,
     assert_agrees_up_to_rounding,
     chat,
+    conversation_state,
     free_port,
     held_params,
     messages_under,
@@ -55,8 +61,9 @@ BLOCK, DECODE_BLOCKS = 32, 100
 PROMPT_TOKENS = 830  # ~27 blocks with its answers: a fourth of decode's KV cache
 FILLERS = 4  # 4 x ~27 blocks > 100: what evicts the conversation's blocks from decode's KV cache
 DECLINED_TOKENS = 1700  # ~54 blocks with the answer: over the 50-block retention cap
-# Room for every prompt of the test (vLLM stores each one as it is computed): ~10 of ~27 blocks of 32 KiB.
-HOST_TIER_BYTES = 16 << 20
+# Room for every prompt of the module (vLLM stores each one as it is computed, ~800 blocks of 32 KiB in all),
+# so that the host tier's own LRU never drops what a test restores.
+HOST_TIER_BYTES = 32 << 20
 TURN_TIMEOUT_S = 300
 
 
@@ -268,6 +275,40 @@ def test_a_conversation_demoted_when_its_tool_starts_is_restored_from_the_host_t
         assert metric(router.url, "agentkv_demotions_total", cause="tool_call") == 1
 
         # Prefill alone computing the whole prompt: the same answer, up to rounding.
+        assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
+    finally:
+        router.stop()
+
+
+def test_a_retention_over_the_cap_demotes_a_held_conversation_the_host_tier_has(tiered: Cluster) -> None:
+    p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
+    assert p.service_url and d.service_url
+    router = _router(tiered, "router-tiers-pressure.log")
+    try:
+        stats0 = service_info(d.service_url)["stats"]
+        first, second = new_id("pressure-first"), new_id("pressure-second")
+        history = _messages(p.url, 21)
+        answer = chat(router.url, history, conversation_id=first, max_tokens=8)
+        assert conversation_state(router.url, first)["lease"]["state"] == "held"
+        # ~27 + ~27 blocks are over the 50-block cap: the second is retained, the first demoted to make room.
+        chat(router.url, _messages(p.url, 22), conversation_id=second, max_tokens=8)
+        assert conversation_state(router.url, second)["lease"]["state"] == "held"
+        stats = service_info(d.service_url)["stats"]
+        assert stats["demotions_pressure"] == stats0["demotions_pressure"] + 1, stats
+        assert stats["not_retained"] == stats0["not_retained"], stats
+        assert service_info(d.service_url)["retained"] == 1  # the second's lease alone
+
+        # The first's tool gap: other prompts evict its blocks from decode's KV cache, and its heartbeat finds
+        # the lease gone (at the next turn the router asks decode what it still has, KV cache or host tier).
+        for k in range(FILLERS):
+            _decode_local(d.url, _messages(p.url, 21000 + k), salt=f"pressure-filler-{k}")
+        beat = httpx.post(f"{router.url}/v1/conversations/{first}/heartbeat", json={}, timeout=30)
+        assert beat.status_code == 200 and beat.json()["lease"]["state"] == "expired", beat.text
+
+        history += [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "tool: 42"}]
+        before = _sources(d.url)
+        turn = chat(router.url, history, conversation_id=first, max_tokens=8, extra={"top_logprobs": 5})
+        _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
         assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
     finally:
         router.stop()

@@ -9,7 +9,7 @@ import pytest
 
 from agentkv.server.engine._connector._cached import CachedPrompts, calling_scheduler, pool_lookup
 from agentkv.server.engine._connector._leases import LeaseTable
-from agentkv.server.engine._connector._service import RetentionService
+from agentkv.server.engine._connector._service import READ_SPARE_S, RetentionService
 
 BLOCK = 4
 
@@ -200,3 +200,37 @@ def test_a_lease_is_demoted_only_where_the_host_tier_holds_its_blocks() -> None:
     )
     assert table.lookup("r1") is None and stats == {"demotions": 1}
     assert svc.handle("POST", demote, {})[0] == 404  # nothing left to demote
+
+
+def test_a_retention_over_the_cap_demotes_soonest_expiring_host_held_leases_never_one_being_read() -> None:
+    """Cap 12 blocks; leases a (blocks 0-3), b (4-7), c (8-9), deadlines in that order. The host tier holds
+    a's and b's blocks, not c's; a prefill just asked after a (its still-held check before a read)."""
+    now = [0.0]
+    table = LeaseTable(lease_s=100, max_lease_s=100, clock=lambda: now[0], capacity_blocks=12)
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=100)
+    cached.lookup = lambda h: True
+    stats: dict[str, int] = {}
+    svc = RetentionService(table=table, host="127.0.0.1", port=0, info=dict, cached=cached, stats=stats)
+    for i, (rid, blocks) in enumerate({"a": range(4), "b": range(4, 8), "c": range(8, 10)}.items()):
+        now[0] = float(i)
+        cached.keep(rid, [f"{rid}{k}".encode() for k in blocks])
+        assert table.add(rid, {}, len(blocks) * BLOCK, block_ids=blocks)
+    assert svc.make_room(range(10, 16)) == []  # no host tier yet: the retention is declined as before
+    cached.host_lookup = lambda h: h[:1] in (b"a", b"b")
+    now[0] = 3.0
+    assert svc.handle("GET", "/agentkv/v1/retained/a?reading=1", {})[0] == 200
+
+    # 10 + 6 blocks is 4 over the cap: b gives them; a, though it expires first, may be under a read.
+    assert svc.make_room(range(10, 16)) == ["b"]
+    assert table.lookup("b") is None and table.lookup("a") is not None and table.lookup("c") is not None
+    assert stats == {"demotions": 1, "demotions_pressure": 1}
+    assert table.add("new", {}, 6 * BLOCK, block_ids=range(10, 16))
+
+    # 12 more blocks cannot be made room for (c is not in the host tier): nothing is demoted for them.
+    assert svc.make_room(range(20, 32)) == []
+    assert table.lookup("a") is not None and stats["demotions"] == 1
+
+    # Once the read's spare time has passed, a is a candidate like any other.
+    now[0] = 3.0 + READ_SPARE_S
+    assert svc.make_room(range(20, 24)) == ["a"]
+    assert stats == {"demotions": 2, "demotions_pressure": 2}

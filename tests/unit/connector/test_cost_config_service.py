@@ -47,6 +47,10 @@ def test_settings_coerce_strings_and_reject_nonsense() -> None:
     assert ConnectorSettings.from_extra({"agentkv_block_hash_reuse_tokens": "0"}).block_hash_reuse_tokens == 0
     with pytest.raises(ValueError, match="block_hash_reuse_tokens"):
         ConnectorSettings.from_extra({"agentkv_block_hash_reuse_tokens": -1})
+    assert ConnectorSettings.from_extra(None).demote_on_pressure is True
+    assert ConnectorSettings.from_extra({"agentkv_demote_on_pressure": "off"}).demote_on_pressure is False
+    with pytest.raises(ValueError, match="demote_on_pressure"):
+        ConnectorSettings.from_extra({"agentkv_demote_on_pressure": "sometimes"})
 
 
 def test_a_requests_word_decides_what_decode_offers_and_computes() -> None:

@@ -38,7 +38,7 @@ def test_held_refreshes_the_deadline_and_sends_the_token() -> None:
     assert make(d, now)(p) is True
     assert p["remote_blocks_expiry_time"] == 77.0
     assert d.calls == [
-        (f"{SERVICE}/agentkv/v1/retained/chatcmpl-r1", {"authorization": "Bearer s3cret"}, 1.0)
+        (f"{SERVICE}/agentkv/v1/retained/chatcmpl-r1?reading=1", {"authorization": "Bearer s3cret"}, 1.0)
     ]
 
 

@@ -51,6 +51,9 @@ class ConnectorSettings:
     # conversations never make live requests wait for blocks (vLLM's fixed pin has no bound).
     max_retained_fraction: float = 0.5
     max_retained_blocks: int | None = None  # an absolute cap as well (None: the fraction alone)
+    # With a host KV tier beside us: a retention over the cap demotes soonest-expiring leases whose blocks the
+    # tier holds (`RetentionService.make_room`) instead of being declined.
+    demote_on_pressure: bool = True
     # Prompt tokens a decode computes itself after loading a prompt's KV from prefill. vLLM loads them all and
     # re-runs the last one alone to sample from it: a one-token step, which on GPUs replays decode's CUDA
     # graph and rounds unlike a prefill. 2 makes that step a (two-token) prefill; see
@@ -85,6 +88,9 @@ class ConnectorSettings:
             cost_model=_bool(get("cost_model", cls.cost_model), "agentkv_cost_model"),
             queue_max_wait_ms=int(get("queue_max_wait_ms", cls.queue_max_wait_ms)),
             max_retained_fraction=float(get("max_retained_fraction", cls.max_retained_fraction)),
+            demote_on_pressure=_bool(
+                get("demote_on_pressure", cls.demote_on_pressure), "agentkv_demote_on_pressure"
+            ),
             max_retained_blocks=None
             if get("max_retained_blocks", None) in (None, "")
             else int(get("max_retained_blocks", None)),

@@ -65,7 +65,9 @@ class HeldCheck:
         if self._quiet_until.get(service, 0.0) > now:
             return False
         try:
-            body = self._fetch(f"{service}/agentkv/v1/retained/{rid}", self._headers, self._timeout_s)
+            body = self._fetch(
+                f"{service}/agentkv/v1/retained/{rid}?reading=1", self._headers, self._timeout_s
+            )
             expiry = json.loads(body)["kv_transfer_params"].get("remote_blocks_expiry_time")
         except urllib.error.HTTPError as exc:
             # The service answered: 404 released or expired, 401 a token mismatch. No read; it stays asked.

@@ -17,6 +17,11 @@ capped scenario, row "evict oldest": hit rate 0.33 vs 0.50): most new retentions
 that never continue, while a lease that survived its heartbeats belongs to one that does. Never evicting
 also means no lease can be freed under a NIXL read that prefill already started.
 
+With a host KV tier the trade differs: a lease whose blocks the tier holds can end without losing them (its
+next turn restores them from host memory), so the retention service demotes such leases to admit a new one
+(``room_for`` names them; ``RetentionService.make_room``), never one a prefill asked after in the last
+``spare_s`` (it may be reading it).
+
 Room is counted in distinct blocks: a conversation's next turn served decode-local reuses the blocks its
 previous turn's lease holds (vLLM's prefix cache hands it the same block ids), and until the router releases
 that lease both cover them. Counting per lease charged those blocks twice and declined the newer turn's
@@ -40,6 +45,8 @@ class Retained:
     deadline: float
     num_tokens: int
     block_ids: frozenset[Hashable] = frozenset()
+    # When a prefill last asked whether the lease is still held before reading it (`lookup(reading=True)`).
+    read_at: float = float("-inf")
 
 
 @dataclass
@@ -127,6 +134,30 @@ class LeaseTable:
             and self._pending.renew.get(rid, r.deadline) > now
         )
 
+    def room_for(
+        self, block_ids: Collection[Hashable], *, spare_s: float
+    ) -> tuple[int, list[tuple[str, int]]]:
+        """(blocks that a retention of ``block_ids`` is short of under ``capacity_blocks``, 0 where it fits;
+        the live leases that could give them, soonest deadline first, each with the blocks no other lease
+        holds). Leases a prefill asked after in the last ``spare_s`` are left out: it may be reading them."""
+        now = self._clock()
+        blocks = frozenset(block_ids)
+        with self._lock:
+            if self.capacity_blocks is None:
+                return 0, []
+            self._settle(now)
+            short = len(self._refs) + sum(1 for b in blocks if b not in self._refs) - self.capacity_blocks
+            if short <= 0:
+                return 0, []
+            live = [
+                r for rid, r in self._retained.items() if rid in self._counted and now - r.read_at >= spare_s
+            ]
+            live.sort(key=lambda r: self._pending.renew.get(r.request_id, r.deadline))
+            return short, [
+                (r.request_id, sum(1 for b in r.block_ids if self._refs.get(b) == 1 and b not in blocks))
+                for r in live
+            ]
+
     def blocks_in_use(self) -> int:
         """Distinct KV blocks the live leases hold (any thread)."""
         with self._lock:
@@ -170,7 +201,8 @@ class LeaseTable:
                     return rid
         return None
 
-    def lookup(self, request_id: str) -> dict[str, Any] | None:
+    def lookup(self, request_id: str, *, reading: bool = False) -> dict[str, Any] | None:
+        """The lease's params and time left; ``reading``: a prefill asks before it reads the blocks."""
         rid = self.resolve(request_id)
         if rid is None:
             return None
@@ -182,6 +214,8 @@ class LeaseTable:
             remaining = pending - self._clock()
             if remaining <= 0 or rid in self._pending.release:
                 return None
+            if reading:
+                r.read_at = self._clock()
             params = dict(r.params, remote_blocks_expiry_time=pending)
             return {
                 "request_id": rid,

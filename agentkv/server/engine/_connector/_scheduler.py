@@ -329,7 +329,16 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 svc = self.service
                 if svc is not None:
                     params[SERVICE_KEY] = f"http://{self.agentkv.service_host}:{svc.port}"
-                deadline = self.leases.add(request.request_id, params, n, block_ids=_block_keys(block_ids))
+                keys = _block_keys(block_ids)
+                deadline = self.leases.add(request.request_id, params, n, block_ids=keys)
+                if (
+                    not deadline
+                    and svc is not None
+                    and self.agentkv.demote_on_pressure
+                    and svc.make_room(keys)
+                ):
+                    # Longer-held leases whose blocks the host tier holds made way (their next turns restore).
+                    deadline = self.leases.add(request.request_id, params, n, block_ids=keys)
                 retained = bool(deadline)
                 if not retained:
                     # No room under the retention cap: offer nothing (no block list, so neither the router

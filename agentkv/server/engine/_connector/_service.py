@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Hashable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, unquote
@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, unquote
 from agentkv.server.engine._connector._cached import CachedPrompts
 from agentkv.server.engine._connector._leases import LeaseTable
 
-__all__ = ["COUNTERS", "RetentionService", "render_metrics"]
+__all__ = ["COUNTERS", "READ_SPARE_S", "RetentionService", "render_metrics"]
 
 logger = logging.getLogger("agentkv.connector")
 _PREFIX = "/agentkv/v1/"
@@ -30,6 +30,10 @@ _MAX_BODY = 4096
 _FINISHED_KEPT = 4096
 # The longest a lookup may wait for its request to finish (`wait_ms`).
 _MAX_WAIT_S = 5.0
+# How long after a prefill's still-held check its lease is spared from demotion under pressure: the NIXL read
+# that follows the check must never find its blocks freed. Reads of a 127k-token conversation take under 2 s
+# on an H100 pair; the margin is for starved hosts.
+READ_SPARE_S = 30.0
 
 # Counters of the connector's decisions (``AgentKVScheduler.stats``), as Prometheus exposes them. vLLM's own
 # /metrics lives in the API-server process; these live in the engine-core process, so this service serves
@@ -46,7 +50,9 @@ COUNTERS = {
     "refused_released": "offers whose lease was released or expired before the read (or decode was silent)",
     "retained": "finished requests whose blocks decode retained",
     "not_retained": "finished requests decode did not retain: no room under agentkv_max_retained_fraction",
-    "demotions": "leases ended early because the host KV tier holds their blocks (the router's demote call)",
+    "demotions": "leases ended early because the host KV tier holds their blocks (the router's call, or "
+    "decode's own to make room: demotions_pressure)",
+    "demotions_pressure": "of those, leases decode demoted to retain a newer request under its retention cap",
     "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
     "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
     "block_hashes_computed": "prompt blocks whose vLLM prefix-cache hash vLLM computed on arrival",
@@ -136,16 +142,17 @@ class RetentionService:
         with self._finished_lock:
             return request_id in self._finished or any(request_id in rid for rid in reversed(self._finished))
 
-    def _lookup(self, request_id: str, wait_s: float) -> dict[str, Any] | None:
+    def _lookup(self, request_id: str, wait_s: float, *, reading: bool) -> dict[str, Any] | None:
         """The request's lease, waiting up to `wait_s` for the request to finish. An answer can reach the
         client before decode's scheduler has finished its request: a stop string is found in vLLM's API
-        server, which then aborts the request in the engine core."""
+        server, which then aborts the request in the engine core. ``reading``: a prefill's still-held check
+        before its read (the lease is then spared from demotion under pressure for a while)."""
         deadline = time.monotonic() + wait_s
         while True:
-            found = self.table.lookup(request_id)
+            found = self.table.lookup(request_id, reading=reading)
             if found or self._is_finished(request_id) or time.monotonic() >= deadline:
                 # Looked up once more after `finished`: the lease is added before the request is marked.
-                return found or self.table.lookup(request_id)
+                return found or self.table.lookup(request_id, reading=reading)
             time.sleep(0.005)
 
     def has_host_tier(self) -> bool:
@@ -159,6 +166,40 @@ class RetentionService:
         decode needs the room. The next turn, sent decode-local, reads them from decode's KV cache or, once
         evicted, back from host memory. Refused (409, the lease kept) where the host tier does not hold the
         lease's whole chunks, except at most its last (a store still in flight): those would be recomputed."""
+        status, payload = self._demotable(request_id)
+        if status != 200:
+            return status, payload
+        if not self.table.release(request_id):
+            return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
+        with self._demote_lock:
+            self.stats["demotions"] = self.stats.get("demotions", 0) + 1
+        return 200, {"demoted": True, **payload}
+
+    def make_room(self, block_ids: Collection[Hashable]) -> list[str]:
+        """Demote the leases a retention of ``block_ids`` needs the room of (soonest deadline first, only
+        those whose blocks the host tier holds, none a prefill may be reading), on the scheduler thread before
+        the retention is declined; the ids demoted. None is demoted unless together they make the room: a
+        retention still declined should cost no other conversation its lease."""
+        if not self.has_host_tier():
+            return []
+        short, candidates = self.table.room_for(block_ids, spare_s=READ_SPARE_S)
+        chosen: list[str] = []
+        freed = 0
+        for rid, own in candidates:
+            if freed >= short:
+                break
+            if own > 0 and self._demotable(rid)[0] == 200:
+                chosen.append(rid)
+                freed += own
+        if freed < short:
+            return []
+        done = [rid for rid in chosen if self.demote(rid)[0] == 200]
+        with self._demote_lock:
+            self.stats["demotions_pressure"] = self.stats.get("demotions_pressure", 0) + len(done)
+        return done
+
+    def _demotable(self, request_id: str) -> tuple[int, dict[str, Any]]:
+        """200 with the lease's counts where its host tier holds its blocks (`demote`), else why not."""
         lease = self.table.lookup(request_id)
         if lease is None:
             return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
@@ -176,11 +217,7 @@ class RetentionService:
                 "num_tokens": held,
                 "error": f"the host tier holds {host} of the lease's {held} tokens",
             }
-        if not self.table.release(request_id):
-            return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
-        with self._demote_lock:
-            self.stats["demotions"] = self.stats.get("demotions", 0) + 1
-        return 200, {"demoted": True, "host_tokens": min(host, held), "num_tokens": held}
+        return 200, {"host_tokens": min(host, held), "num_tokens": held}
 
     # Routing lives here, not in the handler, so it can be tested without sockets.
     def handle(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -201,7 +238,8 @@ class RetentionService:
                     wait_s = min(int(parse_qs(query).get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
                 except ValueError:
                     return 400, {"error": "wait_ms must be a whole number"}
-                found = self._lookup(rid, max(wait_s, 0.0))
+                reading = parse_qs(query).get("reading", ["0"])[0] == "1"
+                found = self._lookup(rid, max(wait_s, 0.0), reading=reading)
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
             case "GET", ["cached", rid]:
                 # What decode's prefix cache still holds of a finished request's tokens (`CachedPrompts`).
