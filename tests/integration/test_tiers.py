@@ -298,12 +298,14 @@ def test_a_retention_over_the_cap_demotes_a_held_conversation_the_host_tier_has(
         assert stats["not_retained"] == stats0["not_retained"], stats
         assert service_info(d.service_url)["retained"] == 1  # the second's lease alone
 
-        # The first's tool gap: other prompts evict its blocks from decode's KV cache, and its heartbeat finds
-        # the lease gone (at the next turn the router asks decode what it still has, KV cache or host tier).
+        # The first's tool gap: other prompts evict its blocks from decode's KV cache, and its heartbeat's
+        # renewal learns that decode demoted it.
         for k in range(FILLERS):
             _decode_local(d.url, _messages(p.url, 21000 + k), salt=f"pressure-filler-{k}")
         beat = httpx.post(f"{router.url}/v1/conversations/{first}/heartbeat", json={}, timeout=30)
-        assert beat.status_code == 200 and beat.json()["lease"]["state"] == "expired", beat.text
+        assert beat.status_code == 200, beat.text
+        assert (beat.json()["lease"]["state"], beat.json()["tier"]) == ("demoted", "host"), beat.text
+        assert metric(router.url, "agentkv_demotions_total", cause="pressure") == 1
 
         history += [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "tool: 42"}]
         before = _sources(d.url)

@@ -77,9 +77,13 @@ class Conversations:
                 return self.view(conversation_id, record)  # fixed_ttl/demoted/expired/none: nothing to renew
             renewed = await self._sv.leases.renew(decode, record.request_id, extend_s)
             now = time.time()
+            demoted = renewed is not None and renewed.get("demoted") is True
             if renewed is None:
                 # Decode no longer holds the blocks (expired, read, or restarted).
                 updated = dataclasses.replace(record, expires_at=now)
+            elif demoted:
+                # Decode demoted it to retain a newer turn under its cap: the blocks are in its host tier.
+                updated = dataclasses.replace(record, lease_state="demoted", expires_at=now)
             else:
                 self._sv.metrics.lease_renewals.inc()
                 left = renewed.get("expires_in_s")
@@ -87,6 +91,8 @@ class Conversations:
                     record, expires_at=now + (float(left) if isinstance(left, (int, float)) else extend_s)
                 )
             if await self._sv.store.compare_and_set(key, updated, expected=record.version):
+                if demoted:
+                    self._sv.metrics.demotions["pressure"].inc()
                 return self.view(conversation_id, updated)
         raise client_error(409, "conversation is busy; retry the heartbeat", code="conversation_busy")
 

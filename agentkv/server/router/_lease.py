@@ -141,8 +141,12 @@ class LeaseClient:
         return n, min(host, n)
 
     async def renew(self, decode: BackendState, request_id: str, duration_s: float) -> Retained | None:
+        """Decode's lease as renewed; None where it is gone. ``{"demoted": True}`` where decode itself ended
+        it because its host KV tier holds the blocks (to retain a newer turn under its cap)."""
         url = f"{decode.backend.control_url}/agentkv/v1/leases/{request_id}/renew"
         resp = await self._call("POST", url, json={"duration_s": duration_s})
+        if resp is not None and resp.status_code == 409 and (_json(resp) or {}).get("demoted") is True:
+            return {"demoted": True}
         return _json(resp) if resp is not None and resp.status_code == 200 else None
 
     async def demote(self, decode: BackendState, request_id: str) -> Retained | None:

@@ -69,7 +69,8 @@ class RouterMetrics:
             Counter(
                 "agentkv_demotions",
                 "Conversations whose decode lease ended early because decode's host KV tier holds their "
-                "blocks, by cause (tool_call: the SDK said a tool call started; idle: demote_idle_s passed)",
+                "blocks, by cause (tool_call: the SDK said a tool call started; idle: demote_idle_s passed; "
+                "pressure: decode ended it to retain a newer turn under its cap, seen at a renewal)",
                 ["cause"],
                 registry=r,
             ),

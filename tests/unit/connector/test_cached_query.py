@@ -225,6 +225,10 @@ def test_a_retention_over_the_cap_demotes_soonest_expiring_host_held_leases_neve
     assert table.lookup("b") is None and table.lookup("a") is not None and table.lookup("c") is not None
     assert stats == {"demotions": 1, "demotions_pressure": 1}
     assert table.add("new", {}, 6 * BLOCK, block_ids=range(10, 16))
+    # The router's next renewal of b learns where its blocks went; an unknown lease is only gone.
+    status, body = svc.handle("POST", "/agentkv/v1/leases/b/renew", {})
+    assert (status, body["demoted"]) == (409, True)
+    assert svc.handle("POST", "/agentkv/v1/leases/zz/renew", {})[0] == 404
 
     # 12 more blocks cannot be made room for (c is not in the host tier): nothing is demoted for them.
     assert svc.make_room(range(20, 32)) == []

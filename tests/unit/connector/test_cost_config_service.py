@@ -1,13 +1,15 @@
-import collections
-import threading
-
 import pytest
 
 from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
 from agentkv.server.engine._connector._config import ConnectorSettings, decode_tail, offers_decoded
 from agentkv.server.engine._connector._cost import PullCostModel, _DecayedLine
 from agentkv.server.engine._connector._leases import LeaseTable
-from agentkv.server.engine._connector._service import RetentionService, render_metrics
+from agentkv.server.engine._connector._service import (
+    _FINISHED_KEPT,
+    RetentionService,
+    _RecentIds,
+    render_metrics,
+)
 
 
 def test_static_threshold_is_a_floor_and_model_defers_until_it_has_data() -> None:
@@ -93,8 +95,8 @@ def _routing_only(table: LeaseTable) -> RetentionService:
     svc.table = table
     svc._info = lambda: {"engine_id": "e"}
     svc.cached = None
-    svc._finished = collections.OrderedDict()
-    svc._finished_lock = threading.Lock()
+    svc._finished = _RecentIds(_FINISHED_KEPT)
+    svc._demoted = _RecentIds(_FINISHED_KEPT)
     return svc
 
 
@@ -121,13 +123,11 @@ def test_a_lookup_waits_for_its_request_to_finish(monkeypatch: pytest.MonkeyPatc
 
 
 def test_finished_requests_are_bounded() -> None:
-    from agentkv.server.engine._connector._service import _FINISHED_KEPT
-
     svc = _routing_only(LeaseTable(lease_s=10, max_lease_s=60, clock=lambda: 0.0))
     for i in range(_FINISHED_KEPT + 10):
         svc.finished(f"r{i}")
     assert len(svc._finished) == _FINISHED_KEPT
-    assert svc._is_finished(f"r{_FINISHED_KEPT + 9}") and not svc._is_finished("r0")
+    assert f"r{_FINISHED_KEPT + 9}" in svc._finished and "r0" not in svc._finished
 
 
 def test_service_routes() -> None:

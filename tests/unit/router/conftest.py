@@ -70,6 +70,7 @@ class FakeEngines:
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
         self.released: list[str] = []
         self.demoted: list[str] = []
+        self.pressure_demoted: set[str] = set()  # leases decode demoted by itself (`pressure_demote`)
         self.renewed: list[tuple[str, float]] = []  # (request id, duration asked for)
         # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
         # D's retained block lists cover its tokens in blocks of this size.
@@ -114,6 +115,15 @@ class FakeEngines:
             if host.startswith("d"):
                 for rid in list(engine.retained):
                     engine.release(rid)
+
+    def pressure_demote(self) -> None:
+        """Every decode demotes what it holds to its host tier by itself, as to retain a newer turn under its
+        cap: the leases end, and their renewals answer 409 ``demoted``."""
+        for host, engine in self.engines.items():
+            if host.startswith("d"):
+                for rid in list(engine.retained):
+                    engine.release(rid)
+                    self.pressure_demoted.add(rid)
 
     def requests(self, host_prefix: str, path: str | None = None) -> list[tuple[Any, httpx.Headers]]:
         return [
@@ -256,6 +266,8 @@ class FakeEngines:
             rid, duration = path[len(_LEASES) : -len("/renew")], float(body["duration_s"])
             self.renewed.append((rid, duration))
             found = engine.renew(rid, duration)
+            if found is None and any(rid in held for held in self.pressure_demoted):
+                return httpx.Response(409, json={"demoted": True, "error": "demoted to the host KV tier"})
         elif method == "POST" and path.endswith("/demote"):
             rid = path[len(_LEASES) : -len("/demote")]
             if host not in self.host_tier:

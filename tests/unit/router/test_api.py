@@ -164,6 +164,21 @@ async def test_a_tool_call_demotes_the_conversation_where_decode_has_a_host_tier
     assert released is False and not engines.released  # no lease left to release
 
 
+async def test_a_renewal_learns_that_decode_demoted_the_lease_itself(
+    engines: FakeEngines, make_client
+) -> None:
+    """Decode ended the lease to retain a newer turn under its cap (its host tier holds the blocks): the next
+    beat's renewal says so, and the record reads demoted (tier host), not merely expired."""
+    async with make_client(path_policy="auto") as client:
+        await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
+        engines.pressure_demote()
+        hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
+        metrics = (await client.get("/metrics")).text
+    assert hb["lease"]["state"] == "demoted" and hb["tier"] == "host", hb
+    assert 'agentkv_demotions_total{cause="pressure"} 1.0' in metrics
+    assert not engines.demoted  # the router asked nothing: decode had done it
+
+
 async def test_a_tool_call_beat_during_a_turns_bookkeeping_waits_for_the_record_the_turn_writes(
     engines: FakeEngines, make_client
 ) -> None:

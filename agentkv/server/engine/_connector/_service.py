@@ -97,8 +97,10 @@ class RetentionService:
         # The scheduler's counters: the service adds its own (`demotions`), which the scheduler never writes.
         self.stats = stats if stats is not None else {}
         self._demote_lock = threading.Lock()
-        self._finished: OrderedDict[str, None] = OrderedDict()
-        self._finished_lock = threading.Lock()
+        self._finished = _RecentIds(_FINISHED_KEPT)
+        # Leases decode demoted by itself (`make_room`): their renewal answers "demoted", so the router's
+        # record says where the blocks went instead of only that the lease is gone.
+        self._demoted = _RecentIds(_FINISHED_KEPT)
         self._info = info
         self._expected = f"Bearer {token}".encode() if token else None
         handler = type("_Handler", (_Handler,), {"service": self})
@@ -130,17 +132,7 @@ class RetentionService:
     def finished(self, request_id: str) -> None:
         """Decode's scheduler is done with this request (its blocks leased or not): a lookup waiting for it
         answers now. Called after the lease is added."""
-        with self._finished_lock:
-            self._finished[request_id] = None
-            self._finished.move_to_end(request_id)
-            while len(self._finished) > _FINISHED_KEPT:
-                self._finished.popitem(last=False)
-
-    def _is_finished(self, request_id: str) -> bool:
-        """Matched as leases are (`LeaseTable.resolve`): vLLM turns the router's id into
-        ``chatcmpl-<id>-<suffix>``. Newest first: the request looked up has usually just finished."""
-        with self._finished_lock:
-            return request_id in self._finished or any(request_id in rid for rid in reversed(self._finished))
+        self._finished.add(request_id)
 
     def _lookup(self, request_id: str, wait_s: float, *, reading: bool) -> dict[str, Any] | None:
         """The request's lease, waiting up to `wait_s` for the request to finish. An answer can reach the
@@ -150,7 +142,7 @@ class RetentionService:
         deadline = time.monotonic() + wait_s
         while True:
             found = self.table.lookup(request_id, reading=reading)
-            if found or self._is_finished(request_id) or time.monotonic() >= deadline:
+            if found or request_id in self._finished or time.monotonic() >= deadline:
                 # Looked up once more after `finished`: the lease is added before the request is marked.
                 return found or self.table.lookup(request_id, reading=reading)
             time.sleep(0.005)
@@ -194,6 +186,8 @@ class RetentionService:
         if freed < short:
             return []
         done = [rid for rid in chosen if self.demote(rid)[0] == 200]
+        for rid in done:
+            self._demoted.add(rid)
         with self._demote_lock:
             self.stats["demotions_pressure"] = self.stats.get("demotions_pressure", 0) + len(done)
         return done
@@ -252,12 +246,43 @@ class RetentionService:
                 if duration is not None and not isinstance(duration, int | float):
                     return 400, {"error": "duration_s must be a number"}
                 found = self.table.renew(rid, duration)
-                return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
+                if found:
+                    return 200, found
+                if rid in self._demoted:
+                    return 409, {"demoted": True, "error": f"{rid} was demoted to the host KV tier"}
+                return 404, {"error": f"no retained blocks for {rid}"}
             case "POST", ["leases", rid, "demote"]:
                 return self.demote(rid)
             case "DELETE", ["leases", rid]:
                 return (200, {"released": True}) if self.table.release(rid) else (404, {"released": False})
         return 404, {"error": "not found"}
+
+
+class _RecentIds:
+    """The newest ``kept`` request ids, matched as leases are (`LeaseTable.resolve`): vLLM turns the router's
+    id into ``chatcmpl-<id>-<suffix>``. Newest first: the id asked after is usually a recent one."""
+
+    def __init__(self, kept: int) -> None:
+        self._kept = kept
+        self._ids: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, request_id: str) -> None:
+        with self._lock:
+            self._ids[request_id] = None
+            self._ids.move_to_end(request_id)
+            while len(self._ids) > self._kept:
+                self._ids.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ids)
+
+    def __contains__(self, request_id: object) -> bool:
+        if not isinstance(request_id, str):
+            return False
+        with self._lock:
+            return request_id in self._ids or any(request_id in rid for rid in reversed(self._ids))
 
 
 class _Handler(BaseHTTPRequestHandler):
