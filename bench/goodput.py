@@ -207,6 +207,9 @@ def router_settings(leg: str, path_policy: str, extra: Sequence[str]) -> dict[st
         "reuse": leg in ("on", "tiered", "exact"),
         "exact": leg == "exact",
         "path_policy": path_policy,
+        # The router's per-turn lines (path, reuse, host-tier tokens) are what a load's misses are read from,
+        # a few hundred bytes a turn; the benches' router otherwise logs warnings only.
+        "log_level": "info",
     }
     settings.update(dict(item.split("=", 1) for item in extra))
     return settings

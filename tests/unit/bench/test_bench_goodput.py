@@ -373,13 +373,24 @@ async def test_run_step_cuts_what_is_still_running_at_the_drain_deadline() -> No
 
 
 def test_router_settings_per_leg() -> None:
-    assert router_settings("off", "auto", []) == {"reuse": False, "exact": False, "path_policy": "auto"}
+    assert router_settings("off", "auto", []) == {
+        "reuse": False,
+        "exact": False,
+        "path_policy": "auto",
+        "log_level": "info",
+    }
     assert router_settings("floor", "auto", [])["reuse"] is False
-    assert router_settings("on", "auto", []) == {"reuse": True, "exact": False, "path_policy": "auto"}
-    assert router_settings("exact", "always-pd", ["decode_load_cap=256"]) == {
+    assert router_settings("on", "auto", []) == {
+        "reuse": True,
+        "exact": False,
+        "path_policy": "auto",
+        "log_level": "info",
+    }
+    assert router_settings("exact", "always-pd", ["decode_load_cap=256", "log_level=warning"]) == {
         "reuse": True,
         "exact": True,
         "path_policy": "always-pd",
+        "log_level": "warning",  # a KEY=VALUE wins
         "decode_load_cap": "256",
     }
     with pytest.raises(ValueError):
