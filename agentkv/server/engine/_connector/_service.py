@@ -161,11 +161,17 @@ class RetentionService:
         status, payload = self._demotable(request_id)
         if status != 200:
             return status, payload
-        if not self.table.release(request_id):
+        if not self._end(request_id):
             return 404, {"demoted": False, "error": f"no retained blocks for {request_id}"}
+        return 200, {"demoted": True, **payload}
+
+    def _end(self, request_id: str) -> bool:
+        """Release a lease `_demotable` found the host tier holds, counted as a demotion."""
+        if not self.table.release(request_id):
+            return False
         with self._demote_lock:
             self.stats["demotions"] = self.stats.get("demotions", 0) + 1
-        return 200, {"demoted": True, **payload}
+        return True
 
     def make_room(self, block_ids: Collection[Hashable]) -> list[str]:
         """Demote the leases a retention of ``block_ids`` needs the room of (soonest deadline first, only
@@ -185,7 +191,7 @@ class RetentionService:
                 freed += own
         if freed < short:
             return []
-        done = [rid for rid in chosen if self.demote(rid)[0] == 200]
+        done = [rid for rid in chosen if self._end(rid)]
         for rid in done:
             self._demoted.add(rid)
         with self._demote_lock:
@@ -228,11 +234,12 @@ class RetentionService:
                     "retained_blocks": self.table.blocks_in_use(),
                 }
             case "GET", ["retained", rid]:
+                params = parse_qs(query)
                 try:
-                    wait_s = min(int(parse_qs(query).get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
+                    wait_s = min(int(params.get("wait_ms", ["0"])[0]) / 1000, _MAX_WAIT_S)
                 except ValueError:
                     return 400, {"error": "wait_ms must be a whole number"}
-                reading = parse_qs(query).get("reading", ["0"])[0] == "1"
+                reading = params.get("reading", ["0"])[0] == "1"
                 found = self._lookup(rid, max(wait_s, 0.0), reading=reading)
                 return (200, found) if found else (404, {"error": f"no retained blocks for {rid}"})
             case "GET", ["cached", rid]:
