@@ -23,6 +23,9 @@ And the router knows the tier: a ~1,700-token conversation (~54 blocks) is over 
 of its 100 blocks), so decode declines to retain it; once other prompts have evicted its blocks from decode's
 KV cache, decode's ``cached/`` answer counts them in its host tier, and the router sends the next turn
 decode-local (reuse ``cached``, ``x-agentkv-tier: host``), where vLLM restores them.
+
+And the tier evicts by lease state (agentkv's policy in vLLM's host tier): prompts of more than its capacity,
+sent after a demoted conversation and an ended request, evict the ended request, not the conversation.
 """
 
 from __future__ import annotations
@@ -310,6 +313,60 @@ def test_a_retention_over_the_cap_demotes_a_held_conversation_the_host_tier_has(
         history += [{"role": "assistant", "content": answer.text}, {"role": "user", "content": "tool: 42"}]
         before = _sources(d.url)
         turn = chat(router.url, history, conversation_id=first, max_tokens=8, extra={"top_logprobs": 5})
+        _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
+        assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
+    finally:
+        router.stop()
+
+
+def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: Cluster) -> None:
+    """Last in the module: it fills the host tier past its capacity. A demoted conversation is stored first,
+    then a request that nothing keeps; then prompts of 1.25 times the tier's capacity. vLLM's LRU alone would
+    evict everything stored before them, the demoted conversation first; ordered by lease state, the tier
+    gives up the ended request and the fillers, and the conversation's next turn still restores from it."""
+    p, d = tiered.prefills[0].spec, tiered.decodes[0].spec
+    assert p.service_url and d.service_url
+    router = _router(tiered, "router-tiers-order.log")
+    try:
+        with Session(base_url=f"{router.url}/v1", model=MODEL) as session:
+            session.chat(_messages(p.url, 41), max_tokens=8, temperature=0)
+            session.tool_call_started()
+            wait_until(
+                lambda: (session.lease() or {}).get("tier") == "host",
+                timeout_s=30,
+                what=lambda: f"the conversation demoted: {session.lease()}",
+            )
+            # Stored after it: one request decode served alone, ended as it finished.
+            ended = _messages(p.url, 42)
+            _decode_local(d.url, ended, salt="order-ended")
+            per_token = int(service_info(d.service_url)["kv_bytes_per_token"])
+            fill, k = HOST_TIER_BYTES // per_token * 5 // 4, 0
+            while fill > 0:
+                history = messages_under(p.url, 41000 + k, DECLINED_TOKENS, words=1200, start=150)
+                _decode_local(d.url, history, salt=f"order-filler-{k}")
+                fill, k = fill - DECLINED_TOKENS, k + 1
+            # The tier was overflowed: the ended request, stored after the conversation, is gone from it (and
+            # from decode's KV cache), so asked again it is computed, not restored.
+            before = _sources(d.url)
+            _decode_local(d.url, ended, salt="order-ended")
+            again: dict[str, float] = {}
+
+            def counted() -> bool:
+                again.update(_delta(_sources(d.url), before))
+                return sum(again[s] for s in ("local_compute", "local_cache_hit", "external_kv_transfer")) > 0
+
+            wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the request: {again}")
+            assert again["external_kv_transfer"] < 2 * BLOCK and again["restored_bytes"] == 0, again
+
+            history = [*session.history, {"role": "user", "content": "tool result: 42"}]
+            before = _sources(d.url)
+            turn = chat(
+                router.url,
+                history,
+                conversation_id=session.conversation_id,
+                max_tokens=8,
+                extra={"top_logprobs": 5},
+            )
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
         assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
     finally:

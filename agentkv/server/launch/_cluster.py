@@ -96,6 +96,8 @@ class ClusterConfig:
     # Each decode's host KV tier (vLLM's OffloadingConnector beside agentkv's, `EngineSpec.kv_offload_bytes`);
     # 0: none. docs/tiers.md.
     decode_kv_offload_bytes: int = 0
+    # That tier's evictions ordered by lease state (`EngineSpec.lease_aware_host_tier`).
+    lease_aware_host_tier: bool = True
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
     # NIXL's first handshakes (agentkv.server.launch._warmup). A pair that cannot serve them fails the start.
@@ -241,6 +243,7 @@ class ClusterConfig:
                         cpu_core=(self.n_prefill + i) % ncpu if pin else None,
                         extra_args=[*self.extra_args, *self.decode_args],
                         kv_offload_bytes=self.decode_kv_offload_bytes,
+                        lease_aware_host_tier=self.lease_aware_host_tier,
                         log_path=self.log_dir / f"decode{i}.log",
                         **placed(self.n_prefill + i),
                     ),

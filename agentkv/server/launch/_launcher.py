@@ -118,6 +118,9 @@ class EngineSpec:
     # Bytes of host memory for vLLM's KV offload tier (its OffloadingConnector beside NIXL, through
     # MultiConnector): blocks the engine's prefix cache evicts stay loadable from host memory; 0: off.
     kv_offload_bytes: int = 0
+    # That tier evicts chunks of conversations that ended before those of live or demoted ones
+    # (`_host_policy`); False: vLLM's plain LRU.
+    lease_aware_host_tier: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
@@ -137,6 +140,10 @@ class EngineSpec:
 # as strings so the launcher never does).
 HOST_SPEC_NAME = "HostOffloadingSpec"
 HOST_SPEC_MODULE = "agentkv.server.engine._connector._tiers"
+# The tier's eviction order by lease state (agentkv/server/engine/_connector/_host_policy.py), where our
+# connector runs beside it to say which conversations are kept.
+HOST_POLICY_NAME = "LeaseAwareLRUCachePolicy"
+HOST_POLICY_MODULE = "agentkv.server.engine._connector._host_policy"
 
 
 def _offload_config(spec: EngineSpec) -> dict[str, object]:
@@ -148,6 +155,9 @@ def _offload_config(spec: EngineSpec) -> dict[str, object]:
     }
     if spec.device == "cpu":
         extra.update(spec_name=HOST_SPEC_NAME, spec_module_path=HOST_SPEC_MODULE)
+    if spec.use_agentkv_connector and spec.lease_aware_host_tier:
+        # 0.32+ import it by module path; on 0.26 our connector adds it to vLLM's built-in policies first.
+        extra.update(eviction_policy=HOST_POLICY_NAME, cache_policy_module_path=HOST_POLICY_MODULE)
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 

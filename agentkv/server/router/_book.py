@@ -229,7 +229,8 @@ class TurnBook:
     async def release(self, record: ConversationRecord) -> bool:
         """Give decode's retained blocks back. Only our service can; stock vLLM holds them to its TTL."""
         decode = self._sv.decode.get(record.decode)
-        if record.lease_state != "held" or not record.retained or decode is None:
+        # A demoted conversation holds no lease, but decode keeps its host copy ahead of ended ones till told.
+        if record.lease_state not in ("held", "demoted") or not record.retained or decode is None:
             return False
         released = await self._sv.leases.release(decode, record.request_id)
         if released:

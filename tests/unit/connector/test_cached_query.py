@@ -56,6 +56,22 @@ def test_keeps_at_most_max_blocks_oldest_out() -> None:
     assert len(cached) == 2 and _tokens(cached, "r2") == 3 * BLOCK
 
 
+def test_a_pinned_request_is_never_dropped_to_make_room() -> None:
+    """A conversation decode keeps (live lease, or demoted while its router beats) may stay in the host tier
+    past newer requests: its hashes must stay too, or neither the router's `cached` path nor the tier's
+    eviction order could find it."""
+    cached = CachedPrompts(block_size=BLOCK, max_blocks=5)
+    cached.lookup = lambda h: True
+    cached.pinned = lambda: {"r1"}
+    cached.keep("r1", [1, 2, 3])
+    cached.keep("r2", [4, 5])
+    cached.keep("r3", [6])  # 6 blocks: r2 goes, the oldest one not pinned
+    assert _tokens(cached, "r1") == 3 * BLOCK and cached.cached_tokens("r2") is None
+    cached.keep("r4", [7, 8, 9])  # only pinned r1 is left to drop beside r3: over the bound, r1 stays
+    assert _tokens(cached, "r1") == 3 * BLOCK and cached.cached_tokens("r3") is None
+    assert _tokens(cached, "r4") == 3 * BLOCK
+
+
 def test_a_lookup_that_fails_midway_reports_what_it_counted() -> None:
     def lookup(h: Any) -> bool:
         if h == 3:

@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 
 from agentkv._wire import DECODE_TAIL_KEY, OFFER_DECODED_KEY
@@ -97,6 +99,9 @@ def _routing_only(table: LeaseTable) -> RetentionService:
     svc.cached = None
     svc._finished = _RecentIds(_FINISHED_KEPT)
     svc._demoted = _RecentIds(_FINISHED_KEPT)
+    svc._kept_until = {}
+    svc._demote_lock = threading.Lock()
+    svc.stats = {}
     return svc
 
 

@@ -70,7 +70,9 @@ class FakeEngines:
         self.status: dict[str, tuple[int, dict[str, Any]]] = {}  # host -> forced (status, json)
         self.released: list[str] = []
         self.demoted: list[str] = []
-        self.pressure_demoted: set[str] = set()  # leases decode demoted by itself (`pressure_demote`)
+        # Leases decode demoted (asked, or by itself: `pressure_demote`): their renewals answer 409 demoted,
+        # and a release of one ends its host copy's keep.
+        self.demoted_ids: set[str] = set()
         self.renewed: list[tuple[str, float]] = []  # (request id, duration asked for)
         # D's KV block size as its /metrics reports it (None: a /metrics without vllm:cache_config_info);
         # D's retained block lists cover its tokens in blocks of this size.
@@ -123,7 +125,7 @@ class FakeEngines:
             if host.startswith("d"):
                 for rid in list(engine.retained):
                     engine.release(rid)
-                    self.pressure_demoted.add(rid)
+                    self.demoted_ids.add(rid)
 
     def requests(self, host_prefix: str, path: str | None = None) -> list[tuple[Any, httpx.Headers]]:
         return [
@@ -266,7 +268,7 @@ class FakeEngines:
             rid, duration = path[len(_LEASES) : -len("/renew")], float(body["duration_s"])
             self.renewed.append((rid, duration))
             found = engine.renew(rid, duration)
-            if found is None and any(rid in held for held in self.pressure_demoted):
+            if found is None and any(rid in held for held in self.demoted_ids):
                 return httpx.Response(409, json={"demoted": True, "error": "demoted to the host KV tier"})
         elif method == "POST" and path.endswith("/demote"):
             rid = path[len(_LEASES) : -len("/demote")]
@@ -276,10 +278,14 @@ class FakeEngines:
             if held is None or not engine.release(rid):
                 return httpx.Response(404, json={"demoted": False, "error": "unknown"})
             self.demoted.append(rid)
+            self.demoted_ids.add(rid)
             return httpx.Response(200, json={"demoted": True, "host_tokens": held.view(now)["num_tokens"]})
         elif method == "DELETE" and path.startswith(_LEASES):
             rid = path[len(_LEASES) :]
-            if not engine.release(rid):
+            kept = next((held for held in self.demoted_ids if rid in held), None)
+            if kept is not None:
+                self.demoted_ids.discard(kept)
+            if not engine.release(rid) and kept is None:
                 return httpx.Response(404, json={"error": "unknown"})
             self.released.append(rid)
             return httpx.Response(200, json={"released": True})

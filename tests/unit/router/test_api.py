@@ -158,10 +158,12 @@ async def test_a_tool_call_demotes_the_conversation_where_decode_has_a_host_tier
         released = (await client.delete("/v1/conversations/c1")).json()["released"]
     assert hb["lease"] == {"state": "demoted", "expires_in_s": 0.0, "renewable": False}
     assert hb["tier"] == "host" and hb["retained_tokens"] > 0
-    assert engines.demoted == [rid] and not engines.renewed  # decode ended the lease; nothing renews it
-    assert again["lease"]["state"] == "demoted"  # a later beat has nothing to renew
+    assert engines.demoted == [rid]  # decode ended the lease
+    # A later beat renews no lease but tells decode the conversation is alive (its host copy stays kept).
+    assert engines.renewed == [(rid, 30.0)] and again["lease"]["state"] == "demoted"
     assert 'agentkv_demotions_total{cause="tool_call"} 1.0' in metrics
-    assert released is False and not engines.released  # no lease left to release
+    # The release ends decode's keep of the host copy.
+    assert released is True and engines.released == [rid] and not engines.demoted_ids
 
 
 async def test_a_renewal_learns_that_decode_demoted_the_lease_itself(

@@ -7,6 +7,8 @@ from agentkv._exceptions import ConfigError, EngineVersionError, ModelNotFoundEr
 from agentkv.server.launch._cluster import ClusterConfig
 from agentkv.server.launch._launcher import (
     GPU_DECODE_GRAPHS,
+    HOST_POLICY_MODULE,
+    HOST_POLICY_NAME,
     HOST_SPEC_MODULE,
     HOST_SPEC_NAME,
     Engine,
@@ -283,6 +285,32 @@ def test_the_offload_tier_goes_beside_nixl_through_multiconnector(role: str) -> 
     assert extra["cpu_bytes_to_use"] == 64 << 20
     assert extra["offload_prompt_only"] is False  # an answer's KV is the next prompt's too
     assert (extra["spec_name"], extra["spec_module_path"]) == (HOST_SPEC_NAME, HOST_SPEC_MODULE)
+    # The tier's evictions ordered by lease state: vLLM's factory imports our policy by name and module.
+    assert (extra["eviction_policy"], extra["cache_policy_module_path"]) == (
+        HOST_POLICY_NAME,
+        HOST_POLICY_MODULE,
+    )
+
+
+def test_the_tier_keeps_vllms_lru_when_asked_or_without_our_connector() -> None:
+    from agentkv.server.engine._connector import _host_policy
+
+    assert (HOST_POLICY_NAME, HOST_POLICY_MODULE) == (_host_policy.POLICY_NAME, _host_policy.POLICY_MODULE)
+    for spec in (
+        EngineSpec(
+            role="decode",
+            model="/m",
+            port=8200,
+            service_port=9200,
+            kv_offload_bytes=1 << 20,
+            lease_aware_host_tier=False,
+        ),
+        EngineSpec(
+            role="decode", model="/m", port=8200, kv_offload_bytes=1 << 20, use_agentkv_connector=False
+        ),
+    ):
+        _, offload = _kv(build_command(spec)[0])["kv_connector_extra_config"]["connectors"]
+        assert "eviction_policy" not in offload["kv_connector_extra_config"]
 
 
 def test_a_gpu_engine_gets_vllms_own_offloading_spec() -> None:

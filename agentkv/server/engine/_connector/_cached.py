@@ -23,7 +23,7 @@ import logging
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +61,14 @@ class CachedPrompts:
         # The host tier's lookup, and how many of our blocks one of its chunks holds (its key is the hash of
         # the chunk's last block, as vLLM's offloading scheduler makes it).
         self.host_lookup: Lookup | None = None
+        # The host tier's key of a chunk, by the hash of its last block (`host_keys`).
+        self.host_key: Callable[[Any], Any] | None = None
         self.blocks_per_chunk = 1
         self._lock = threading.Lock()
+        self._host_keys: dict[str, frozenset[Any]] = {}  # by request id, made once per kept hash list
+        # Requests never dropped to make room (the conversations decode keeps: their blocks stay in the host
+        # tier past newer requests', and the router's `cached` path needs their hashes to find them).
+        self.pinned: Callable[[], Collection[str]] | None = None
         self._kept: OrderedDict[str, tuple[Any, ...]] = OrderedDict()
         self._blocks = 0
 
@@ -71,14 +77,20 @@ class CachedPrompts:
         hashes = tuple(block_hashes)[: self.max_blocks]
         if not hashes:
             return
+        pinned = self.pinned() if self.pinned is not None else ()
         with self._lock:
             old = self._kept.pop(request_id, None)
             self._blocks -= len(old) if old else 0
+            self._host_keys.pop(request_id, None)
             self._kept[request_id] = hashes
             self._blocks += len(hashes)
-            while self._blocks > self.max_blocks:
-                _, dropped = self._kept.popitem(last=False)
-                self._blocks -= len(dropped)
+            for rid in list(self._kept):  # least recent first
+                if self._blocks <= self.max_blocks:
+                    break
+                if rid in pinned or rid == request_id:
+                    continue  # the bound may be passed by kept conversations, never at their cost
+                self._blocks -= len(self._kept.pop(rid))
+                self._host_keys.pop(rid, None)
 
     def _find(self, request_id: str) -> tuple[Any, ...] | None:
         """vLLM turns the router's ``X-Request-Id`` into ``chatcmpl-<id>-<suffix>``: match by containment,
@@ -116,6 +128,25 @@ class CachedPrompts:
         if hashes is None or host is None:
             return None
         return _leading(hashes, host, step=self.blocks_per_chunk) * self.block_size
+
+    def host_keys(self, request_id: str) -> frozenset[Any]:
+        """The host tier's keys of the request's whole chunks (empty where the request is not remembered or
+        decode has no host tier): what `_host_policy` spares while the request's conversation is kept.
+        ``request_id`` is vLLM's own (exact, as the offload manager sees it)."""
+        key = self.host_key
+        if key is None:
+            return frozenset()
+        with self._lock:
+            made = self._host_keys.get(request_id)
+            hashes = self._kept.get(request_id)
+        if made is not None or hashes is None:
+            return made or frozenset()
+        f = self.blocks_per_chunk
+        made = frozenset(key(hashes[i]) for i in range(f - 1, len(hashes), f))
+        with self._lock:
+            if self._kept.get(request_id) is hashes:
+                self._host_keys[request_id] = made
+        return made
 
     def __len__(self) -> int:
         with self._lock:
@@ -171,6 +202,7 @@ class HostTier:
     lookup: Lookup
     blocks_per_chunk: int
     capacity_blocks: int
+    key: Callable[[Any], Any]  # a chunk's key in the tier, by the hash of its last block
 
 
 def host_lookup(scheduler: Any) -> HostTier | None:
@@ -197,10 +229,15 @@ def _host_tier(manager: Any, group: Any) -> HostTier | None:
     context = ReqContext(req_id="agentkv-cached-query")
     group_idx = int(group.group_idx)
 
+    def key(block_hash: Any) -> Any:
+        return make_offload_key(block_hash, group_idx)
+
     def lookup(block_hash: Any) -> bool:
-        return bool(manager.lookup(make_offload_key(block_hash, group_idx), context) == LookupResult.HIT)
+        return bool(manager.lookup(key(block_hash), context) == LookupResult.HIT)
 
     per_chunk = max(int(group.hashes_per_chunk), 1)
     # Its capacity in chunks: the manager's count (0.32+ `_num_chunks`, 0.26 `_num_blocks`).
     chunks = getattr(manager, "_num_chunks", None) or getattr(manager, "_num_blocks", None) or 0
-    return HostTier(lookup=lookup, blocks_per_chunk=per_chunk, capacity_blocks=int(chunks) * per_chunk)
+    return HostTier(
+        lookup=lookup, blocks_per_chunk=per_chunk, capacity_blocks=int(chunks) * per_chunk, key=key
+    )

@@ -158,6 +158,16 @@ class LeaseTable:
                 for r in live
             ]
 
+    def live_ids(self) -> list[str]:
+        """The request ids of the live leases (any thread)."""
+        now = self._clock()
+        with self._lock:
+            return [rid for rid in self._retained if self._live(rid, now)]
+
+    def clock(self) -> float:
+        """The table's clock (the scheduler process's ``perf_counter``)."""
+        return self._clock()
+
     def blocks_in_use(self) -> int:
         """Distinct KV blocks the live leases hold (any thread)."""
         with self._lock:

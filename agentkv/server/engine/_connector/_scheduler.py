@@ -38,6 +38,7 @@ from agentkv.server.engine._connector._hashing import (
     verified_tokens,
 )
 from agentkv.server.engine._connector._held import HeldCheck
+from agentkv.server.engine._connector._host_policy import keep_with, register_builtin
 from agentkv.server.engine._connector._leases import LeaseTable
 from agentkv.server.engine._connector._queues import tune_queue_readers
 from agentkv.server.engine._connector._service import COUNTERS, RetentionService
@@ -133,6 +134,10 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 block_size=self.block_size, max_blocks=int(kv_cache_config.num_blocks)
             )
         self._pool_searched = False
+        if self.is_decode:
+            # vLLM 0.26 builds its host tier's policy from a table of built-ins (0.32+ import it by module
+            # path): ours must be in it before the offloading connector, built after us, asks.
+            register_builtin()
         self.service: RetentionService | None = None
         # One secret for this engine's own service and for the still-held calls it makes to decodes.
         token = os.environ.get(SERVICE_TOKEN_ENV) or None
@@ -394,6 +399,12 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
             host = host_lookup(scheduler)
             if host is not None:
                 self.cached.host_lookup, self.cached.blocks_per_chunk = host.lookup, host.blocks_per_chunk
+                self.cached.host_key = host.key
+                if self.service is not None and self.leases is not None:
+                    # The tier's evictions spare kept conversations (`_host_policy`, where the launcher
+                    # named it as the tier's policy; vLLM's plain LRU never asks).
+                    keep_with(self.service.kept_host_keys)
+                    self.cached.pinned = self.service.kept_ids
                 # Remember as many finished requests' blocks as both tiers can hold, not the pool's alone.
                 self.cached.max_blocks += host.capacity_blocks
         keys: Any = getattr(request, "block_hashes", None)

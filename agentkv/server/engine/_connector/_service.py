@@ -98,9 +98,14 @@ class RetentionService:
         self.stats = stats if stats is not None else {}
         self._demote_lock = threading.Lock()
         self._finished = _RecentIds(_FINISHED_KEPT)
-        # Leases decode demoted by itself (`make_room`): their renewal answers "demoted", so the router's
-        # record says where the blocks went instead of only that the lease is gone.
+        # Leases decode demoted (the router's call, or its own in `make_room`): their renewal answers
+        # "demoted", so the router's record says where the blocks went instead of only that the lease is gone.
         self._demoted = _RecentIds(_FINISHED_KEPT)
+        # Demoted conversations whose host copy the tier's evictions spare (`kept_host_keys`), by vLLM's
+        # request id: until when, on the table's clock. A demotion keeps one lease time; each renewal the
+        # router sends for the demoted conversation (its heartbeats go on through the tool call) extends it,
+        # as it would a lease. A release, or beats that stop, end it.
+        self._kept_until: dict[str, float] = {}
         self._info = info
         self._expected = f"Bearer {token}".encode() if token else None
         handler = type("_Handler", (_Handler,), {"service": self})
@@ -166,12 +171,46 @@ class RetentionService:
         return 200, {"demoted": True, **payload}
 
     def _end(self, request_id: str) -> bool:
-        """Release a lease `_demotable` found the host tier holds, counted as a demotion."""
-        if not self.table.release(request_id):
+        """Release a lease `_demotable` found the host tier holds, counted as a demotion; its host copy is
+        kept (`kept_host_keys`) for a lease time."""
+        rid = self.table.resolve(request_id)
+        if rid is None or not self.table.release(rid):
             return False
         with self._demote_lock:
             self.stats["demotions"] = self.stats.get("demotions", 0) + 1
+            self._keep(rid, self.table.lease_s)
+        self._demoted.add(rid)
         return True
+
+    def _keep(self, rid: str, duration_s: float) -> None:
+        """Keep ``rid``'s host copy at least ``duration_s`` from now (under the demote lock)."""
+        now = self.table.clock()
+        for old in [r for r, until in self._kept_until.items() if until <= now]:
+            del self._kept_until[old]
+        self._kept_until[rid] = max(self._kept_until.get(rid, now), now + duration_s)
+
+    def _kept_id(self, request_id: str) -> str | None:
+        """The kept demoted request ``request_id`` names (the router's id is contained in vLLM's)."""
+        with self._demote_lock:
+            if request_id in self._kept_until:
+                return request_id
+            return next((rid for rid in self._kept_until if request_id in rid), None)
+
+    def kept_host_keys(self) -> list[frozenset[Any]]:
+        """The host tier's keys of every kept conversation, one set each: those with a live lease (their
+        blocks are in HBM; the host copy is what a demotion under pressure needs) and those demoted while
+        their keep lasts. Called by the host tier's eviction policy on the scheduler thread."""
+        if self.cached is None or self.cached.host_key is None:
+            return []
+        sets = (self.cached.host_keys(rid) for rid in self.kept_ids())
+        return [keys for keys in sets if keys]
+
+    def kept_ids(self) -> set[str]:
+        """vLLM's ids of the kept conversations' requests (`kept_host_keys`)."""
+        now = self.table.clock()
+        with self._demote_lock:
+            demoted = [rid for rid, until in self._kept_until.items() if until > now]
+        return {*self.table.live_ids(), *demoted}
 
     def make_room(self, block_ids: Collection[Hashable]) -> list[str]:
         """Demote the leases a retention of ``block_ids`` needs the room of (soonest deadline first, only
@@ -192,8 +231,6 @@ class RetentionService:
         if freed < short:
             return []
         done = [rid for rid in chosen if self._end(rid)]
-        for rid in done:
-            self._demoted.add(rid)
         with self._demote_lock:
             self.stats["demotions_pressure"] = self.stats.get("demotions_pressure", 0) + len(done)
         return done
@@ -256,12 +293,24 @@ class RetentionService:
                 if found:
                     return 200, found
                 if rid in self._demoted:
+                    # The conversation is alive (its router still beats): its host copy stays kept.
+                    kept = self._kept_id(rid)
+                    if kept is not None:
+                        with self._demote_lock:
+                            d = self.table.lease_s if duration is None else float(duration)
+                            self._keep(kept, max(0.0, min(d, self.table.max_lease_s)))
                     return 409, {"demoted": True, "error": f"{rid} was demoted to the host KV tier"}
                 return 404, {"error": f"no retained blocks for {rid}"}
             case "POST", ["leases", rid, "demote"]:
                 return self.demote(rid)
             case "DELETE", ["leases", rid]:
-                return (200, {"released": True}) if self.table.release(rid) else (404, {"released": False})
+                # A demoted conversation's release ends its keep: its host copy goes first from then on.
+                kept = self._kept_id(rid)
+                if kept is not None:
+                    with self._demote_lock:
+                        self._kept_until.pop(kept, None)
+                released = self.table.release(rid) or kept is not None
+                return (200, {"released": True}) if released else (404, {"released": False})
         return 404, {"error": "not found"}
 
 

@@ -1,0 +1,91 @@
+"""The host KV tier's eviction order, by lease state: chunks of conversations that ended go first.
+
+vLLM's host tier (its OffloadingConnector's ``CPUOffloadingManager``) evicts least recently used first over
+every chunk it holds, knowing nothing of leases. An agent idle in a long tool call then loses its host copy
+to whatever ran since, including conversations that ended (released, or whose lease ran out with no
+heartbeat) and one-off requests. This policy keeps vLLM's LRU and its bookkeeping, and changes only which
+chunks ``evict`` takes: first, least recently used first, those of no *kept* conversation; only where those
+are too few, least recently used first over all (vLLM's own order). Kept are decode's live leases and the
+conversations it demoted to the tier while the router still beats for them
+(`RetentionService.kept_host_keys`).
+The retention replay (``bench/_retention_tiers.py``) models this order: expired entries before live ones.
+
+Loaded by vLLM's policy factory (0.32-0.34: ``eviction_policy`` and ``cache_policy_module_path`` in the
+offloading connector's extra config, ``POLICY_NAME`` / ``POLICY_MODULE``); 0.26 has no factory, only a dict
+of built-in policies, which ``register_builtin`` adds this one to (imported by our connector, which
+MultiConnector builds before the offloading connector). The scheduler side of our connector and this policy
+live in the same engine-core process: the connector hands the policy its kept keys through ``keep_with``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Container, Sequence
+from typing import Any
+
+from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
+
+__all__ = ["POLICY_MODULE", "POLICY_NAME", "LeaseAwareLRUCachePolicy", "keep_with", "register_builtin"]
+
+logger = logging.getLogger("agentkv.connector")
+
+POLICY_NAME = "LeaseAwareLRUCachePolicy"
+POLICY_MODULE = "agentkv.server.engine._connector._host_policy"
+
+# The offload keys of kept conversations, one collection per conversation; set by the connector once it
+# has found the host tier (None: no lease state to order by, plain LRU).
+KeptKeys = Callable[[], Sequence[Collection[Any]]]
+_kept: KeptKeys | None = None
+
+
+def keep_with(kept: KeptKeys | None) -> None:
+    """Order this process's host-tier evictions by ``kept`` (None: vLLM's LRU alone)."""
+    global _kept
+    _kept = kept
+
+
+class _Either:
+    """Membership in any of several collections, without building their union on every eviction."""
+
+    def __init__(self, *parts: Container[Any]) -> None:
+        self._parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self._parts)
+
+
+class LeaseAwareLRUCachePolicy(LRUCachePolicy):
+    """vLLM's LRU policy, evicting chunks of no kept conversation before any of a kept one."""
+
+    def evict(self, n: int, protected: set[Any]) -> Any:
+        kept = _kept_now()
+        if kept:
+            # vLLM's LRU skips protected keys and returns None (changing nothing) where it cannot take n.
+            found = super().evict(n, _Either(protected, *kept))  # type: ignore[arg-type]
+            if found is not None:
+                return found
+        return super().evict(n, protected)
+
+
+def _kept_now() -> Sequence[Collection[Any]]:
+    if _kept is None:
+        return ()
+    try:
+        return _kept()
+    except Exception:  # the order is a preference: never fail vLLM's store over it
+        logger.debug("kept host keys unavailable", exc_info=True)
+        return ()
+
+
+def register_builtin() -> bool:
+    """vLLM 0.26: add the policy to the manager's table of built-in policies (0.32+ load it by module path
+    and have no such table). Whether it was added."""
+    try:
+        import vllm.v1.kv_offload.cpu.manager as manager
+    except ImportError:
+        return False
+    table = getattr(manager, "_CACHE_POLICIES", None)
+    if not isinstance(table, dict):
+        return False
+    table.setdefault(POLICY_NAME, LeaseAwareLRUCachePolicy)
+    return True
