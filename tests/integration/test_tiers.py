@@ -171,6 +171,30 @@ def _router(cluster: Cluster, log: str) -> RouterProc:
     )
 
 
+def _tool_started(session: Session) -> None:
+    """The harness is about to run a tool: the SDK's heartbeat says so, and the router demotes the
+    conversation to decode's host tier (waited for)."""
+    session.tool_call_started()
+    wait_until(
+        lambda: (session.lease() or {}).get("tier") == "host",
+        timeout_s=30,
+        what=lambda: f"the conversation demoted: {session.lease()}",
+    )
+
+
+def _after_the_tool(
+    router: RouterProc, session: Session, decode_url: str
+) -> tuple[Turn, list[dict[str, Any]], dict[str, float]]:
+    """The session's next turn with its tool's result, through the router: (the turn, its history, decode's
+    per-source counts before it)."""
+    history = [*session.history, {"role": "user", "content": "tool result: 42"}]
+    before = _sources(decode_url)
+    turn = chat(
+        router.url, history, conversation_id=session.conversation_id, max_tokens=8, extra={"top_logprobs": 5}
+    )
+    return turn, history, before
+
+
 def _assert_restored_from_the_host_tier(
     turn: Turn, decode_url: str, before: dict[str, float], *, tokens: int
 ) -> None:
@@ -252,28 +276,14 @@ def test_a_conversation_demoted_when_its_tool_starts_is_restored_from_the_host_t
             assert lease is not None and lease["lease"]["state"] == "held", lease  # retained under a lease
             demotions = service_info(d.service_url)["stats"]["demotions"]
 
-            # The harness is about to run a tool: the SDK's heartbeat says so and the router demotes.
-            session.tool_call_started()
-            wait_until(
-                lambda: (session.lease() or {}).get("tier") == "host",
-                timeout_s=30,
-                what=lambda: f"the conversation demoted: {session.lease()}",
-            )
+            _tool_started(session)
             assert service_info(d.service_url)["stats"]["demotions"] == demotions + 1
             assert service_info(d.service_url)["retained"] == 0  # decode holds no lease for it
             # The tool runs meanwhile; other conversations evict its blocks from decode's KV cache.
             for k in range(FILLERS):
                 _decode_local(d.url, _messages(p.url, 11000 + k), salt=f"demote-filler-{k}")
 
-            history = [*session.history, {"role": "user", "content": "tool result: 42"}]
-            before = _sources(d.url)
-            turn = chat(
-                router.url,
-                history,
-                conversation_id=session.conversation_id,
-                max_tokens=8,
-                extra={"top_logprobs": 5},
-            )
+            turn, history, before = _after_the_tool(router, session, d.url)
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
         assert metric(router.url, "agentkv_demotions_total", cause="tool_call") == 1
 
@@ -330,12 +340,7 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
     try:
         with Session(base_url=f"{router.url}/v1", model=MODEL) as session:
             session.chat(_messages(p.url, 41), max_tokens=8, temperature=0)
-            session.tool_call_started()
-            wait_until(
-                lambda: (session.lease() or {}).get("tier") == "host",
-                timeout_s=30,
-                what=lambda: f"the conversation demoted: {session.lease()}",
-            )
+            _tool_started(session)
             # Stored after it: one request decode served alone, ended as it finished.
             ended = _messages(p.url, 42)
             _decode_local(d.url, ended, salt="order-ended")
@@ -358,15 +363,7 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
             wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the request: {again}")
             assert again["external_kv_transfer"] < 2 * BLOCK and again["restored_bytes"] == 0, again
 
-            history = [*session.history, {"role": "user", "content": "tool result: 42"}]
-            before = _sources(d.url)
-            turn = chat(
-                router.url,
-                history,
-                conversation_id=session.conversation_id,
-                max_tokens=8,
-                extra={"top_logprobs": 5},
-            )
+            turn, history, before = _after_the_tool(router, session, d.url)
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)
         assert_agrees_up_to_rounding(turn, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))
     finally:
