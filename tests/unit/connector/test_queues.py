@@ -38,3 +38,14 @@ def test_nothing_to_do_changes_nothing() -> None:
     reader = _reader(True)
     assert tune_queue_readers(busy_loop_s=None, max_wait_ms=None) == 0
     assert reader.busy_loop_s == 1.0
+
+
+def test_readers_of_a_subclass_are_found_too() -> None:
+    class Sub(shm_broadcast.SpinCondition):  # type: ignore[name-defined,misc]
+        pass
+
+    reader = object.__new__(Sub)
+    reader.is_reader, reader.busy_loop_s = True, 1.0
+    reader.wait = lambda timeout_ms=None: None
+    tune_queue_readers(busy_loop_s=0.2, max_wait_ms=None)
+    assert reader.busy_loop_s == 0.2
