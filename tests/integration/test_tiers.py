@@ -344,6 +344,7 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
             # Stored after it: one request decode served alone, ended as it finished.
             ended = _messages(p.url, 42)
             _decode_local(d.url, ended, salt="order-ended")
+            evicted0 = service_info(d.service_url)["stats"]
             per_token = int(service_info(d.service_url)["kv_bytes_per_token"])
             fill, k = HOST_TIER_BYTES // per_token * 5 // 4, 0
             while fill > 0:
@@ -362,6 +363,10 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
 
             wait_until(counted, timeout_s=60, what=lambda: f"decode's counters for the request: {again}")
             assert again["external_kv_transfer"] < 2 * BLOCK and again["restored_bytes"] == 0, again
+            # Decode counted the tier's evictions: of what it did not keep only.
+            evicted = service_info(d.service_url)["stats"]
+            assert evicted["host_evicted"] > evicted0["host_evicted"], evicted
+            assert evicted["host_evicted_kept"] == evicted0["host_evicted_kept"], evicted
 
             turn, history, before = _after_the_tool(router, session, d.url)
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)

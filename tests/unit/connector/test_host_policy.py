@@ -52,13 +52,16 @@ def test_chunks_of_ended_conversations_go_before_those_of_kept_ones_oldest_first
     keys = [b"a1", b"a2", b"b1", b"b2", b"c1"]
     assert _evicted(_filled(keys).evict(2, set())) == [b"a1", b"a2"]  # no lease state: vLLM's order
 
-    keep_with(lambda: [frozenset({b"a1", b"a2"})])
+    counts: dict[str, int] = {}
+    keep_with(lambda: [frozenset({b"a1", b"a2"})], counts=counts)
     policy = _filled(keys)
     assert _evicted(policy.evict(2, set())) == [b"b1", b"b2"]
+    assert counts == {"host_evicted": 2, "host_evicted_kept": 0}
     assert _evicted(policy.evict(1, {b"c1"})) == [b"a1"]  # vLLM's protected keys stay protected
     assert policy.evict(5, set()) is None and policy.get(b"c1") is not None  # too many: nothing changes
     # Too few chunks of ended conversations: least recently used first over all.
     assert _evicted(policy.evict(2, set())) == [b"a2", b"c1"]
+    assert counts == {"host_evicted": 3, "host_evicted_kept": 2}  # the tier is smaller than the live set
 
 
 def test_a_keeper_that_fails_leaves_vllms_order() -> None:

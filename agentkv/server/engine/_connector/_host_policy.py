@@ -36,12 +36,16 @@ POLICY_MODULE = "agentkv.server.engine._connector._host_policy"
 # has found the host tier (None: no lease state to order by, plain LRU).
 KeptKeys = Callable[[], Sequence[Collection[Any]]]
 _kept: KeptKeys | None = None
+# The connector's counters: chunks evicted of conversations not kept (`host_evicted`) and of kept ones
+# (`host_evicted_kept`: the live set is more than the tier holds).
+_counts: dict[str, int] | None = None
 
 
-def keep_with(kept: KeptKeys | None) -> None:
-    """Order this process's host-tier evictions by ``kept`` (None: vLLM's LRU alone)."""
-    global _kept
-    _kept = kept
+def keep_with(kept: KeptKeys | None, *, counts: dict[str, int] | None = None) -> None:
+    """Order this process's host-tier evictions by ``kept`` (None: vLLM's LRU alone); count them in
+    ``counts``."""
+    global _kept, _counts
+    _kept, _counts = kept, counts
 
 
 class _Either:
@@ -59,12 +63,15 @@ class LeaseAwareLRUCachePolicy(LRUCachePolicy):
 
     def evict(self, n: int, protected: set[Any]) -> Any:
         kept = _kept_now()
-        if kept:
-            # vLLM's LRU skips protected keys and returns None (changing nothing) where it cannot take n.
-            found = super().evict(n, _Either(protected, *kept))  # type: ignore[arg-type]
-            if found is not None:
-                return found
-        return super().evict(n, protected)
+        # vLLM's LRU skips protected keys and returns None (changing nothing) where it cannot take n.
+        found = super().evict(n, _Either(protected, *kept)) if kept else None  # type: ignore[arg-type]
+        if found is None:
+            found = super().evict(n, protected)
+        if found and _counts is not None:
+            of_kept = sum(1 for key, _chunk in found if key in _Either(*kept)) if kept else 0
+            _counts["host_evicted"] = _counts.get("host_evicted", 0) + len(found) - of_kept
+            _counts["host_evicted_kept"] = _counts.get("host_evicted_kept", 0) + of_kept
+        return found
 
 
 def _kept_now() -> Sequence[Collection[Any]]:

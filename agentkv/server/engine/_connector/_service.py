@@ -53,6 +53,10 @@ COUNTERS = {
     "demotions": "leases ended early because the host KV tier holds their blocks (the router's call, or "
     "decode's own to make room: demotions_pressure)",
     "demotions_pressure": "of those, leases decode demoted to retain a newer request under its retention cap",
+    "host_evicted": "chunks the host KV tier evicted of conversations decode does not keep (ended, released, "
+    "expired, one-off requests)",
+    "host_evicted_kept": "chunks the host KV tier evicted of kept conversations (live leases, demoted ones "
+    "the router still beats for): the live set is more than the tier holds",
     "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
     "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
     "block_hashes_computed": "prompt blocks whose vLLM prefix-cache hash vLLM computed on arrival",
