@@ -328,6 +328,7 @@ class _Deployment:
                 prefill_args=list(args.prefill_engine_arg or []),
                 decode_args=list(args.decode_engine_arg or []),
                 decode_kv_offload_bytes=args.host_tier_bytes if self.group == "tiered" else 0,
+                lease_aware_host_tier=args.host_tier_eviction == "lease",
                 extra_kv_config=dict(args.kv_config),
                 env=env,
                 **plugin_fields(args, reuse=reuse),
@@ -532,6 +533,12 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=256 << 20,
         help="tiered leg: decode's host KV tier (vLLM's OffloadingConnector, EngineSpec.kv_offload_bytes)",
+    )
+    ap.add_argument(
+        "--host-tier-eviction",
+        choices=("lease", "lru"),
+        default="lease",
+        help="tiered leg: the tier evicts by lease state (agentkv's policy) or by vLLM's LRU alone",
     )
     ap.add_argument("--cost-model", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--engine-arg", action="append", help="extra vLLM flag for P and D (repeat)")

@@ -73,14 +73,14 @@ class Conversations:
             record = await self._get(key)
             state, _left = record.lease_view()
             decode = self._sv.decode.get(record.decode)
-            if state == "demoted" and decode is not None:
-                # Nothing is leased, but the beat tells decode the conversation is alive: its host tier then
-                # evicts this conversation's copy after those of conversations that ended (`_host_policy`).
-                # Decode answers "demoted" again; the record stays as it is.
+            if state in ("demoted", "expired", "none") and decode is not None and decode.retention:
+                # Nothing is leased (demoted, declined at the cap, run out), but the beat tells decode the
+                # conversation is alive: its host tier then evicts this conversation's copy after those of
+                # conversations that ended (`_host_policy`). Decode answers 409 or 404; the record stays.
                 await self._sv.leases.renew(decode, record.request_id, extend_s)
                 return self.view(conversation_id, record)
             if state != "held" or decode is None:
-                return self.view(conversation_id, record)  # fixed_ttl/expired/none: nothing to renew
+                return self.view(conversation_id, record)  # fixed_ttl: nothing to renew
             renewed = await self._sv.leases.renew(decode, record.request_id, extend_s)
             now = time.time()
             demoted = renewed is not None and renewed.get("demoted") is True

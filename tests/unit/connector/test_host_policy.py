@@ -115,6 +115,15 @@ def test_a_live_lease_and_a_demoted_conversation_are_kept_while_the_router_beats
     table.drain()  # the scheduler's next step
     assert svc.handle("DELETE", "/agentkv/v1/leases/r-alpha", {})[0] == 404
 
+    # Declined at the cap (finished, never leased): a renewal from its router keeps it all the same.
+    cached.keep("chatcmpl-r-beta-1", [b"b0", b"b1"])
+    svc.finished("chatcmpl-r-beta-1")
+    assert svc.handle("POST", "/agentkv/v1/leases/r-beta/renew", {"duration_s": 5})[0] == 404
+    assert svc.kept_host_keys() == [frozenset({b"key-b1"})]
+    now[0] = 45.0
+    assert svc.kept_host_keys() == []
+    assert svc.handle("POST", "/agentkv/v1/leases/r-gamma/renew", {})[0] == 404  # never seen: nothing kept
+
     # A request decode no longer remembers the hashes of keeps nothing (the policy then falls back to LRU).
     table.add("chatcmpl-unknown-1", {}, 8)
     assert svc.kept_host_keys() == []

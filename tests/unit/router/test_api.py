@@ -142,7 +142,11 @@ async def test_heartbeat_when_decode_lost_the_blocks_reports_expired(
         await client.post(CHAT, json=GOOD, headers={"x-session-id": "c1"})
         engines.drop_retained()
         hb = (await client.post("/v1/conversations/c1/heartbeat")).json()
-    assert hb["lease"]["state"] == "expired"
+        again = (await client.post("/v1/conversations/c1/heartbeat")).json()
+    assert hb["lease"]["state"] == "expired" and again["lease"]["state"] == "expired"
+    # Each beat still reaches decode: no lease to renew, but the conversation is alive, so decode's host tier
+    # keeps its copy ahead of ended conversations'.
+    assert len(engines.renewed) == 2
 
 
 async def test_a_tool_call_demotes_the_conversation_where_decode_has_a_host_tier(

@@ -105,10 +105,11 @@ class RetentionService:
         # Leases decode demoted (the router's call, or its own in `make_room`): their renewal answers
         # "demoted", so the router's record says where the blocks went instead of only that the lease is gone.
         self._demoted = _RecentIds(_FINISHED_KEPT)
-        # Demoted conversations whose host copy the tier's evictions spare (`kept_host_keys`), by vLLM's
-        # request id: until when, on the table's clock. A demotion keeps one lease time; each renewal the
-        # router sends for the demoted conversation (its heartbeats go on through the tool call) extends it,
-        # as it would a lease. A release, or beats that stop, end it.
+        # Conversations without a lease whose host copy the tier's evictions spare (`kept_host_keys`), by
+        # vLLM's request id: until when, on the table's clock. A demotion keeps one lease time; a renewal
+        # the router sends for a conversation decode holds no lease for (demoted, declined at the cap, run
+        # out: its heartbeats go on through the tool call) keeps it or extends it, as it would a lease. A
+        # release, or beats that stop, end it.
         self._kept_until: dict[str, float] = {}
         self._info = info
         self._expected = f"Bearer {token}".encode() if token else None
@@ -194,11 +195,21 @@ class RetentionService:
         self._kept_until[rid] = max(self._kept_until.get(rid, now), now + duration_s)
 
     def _kept_id(self, request_id: str) -> str | None:
-        """The kept demoted request ``request_id`` names (the router's id is contained in vLLM's)."""
+        """The kept request ``request_id`` names (the router's id is contained in vLLM's)."""
         with self._demote_lock:
             if request_id in self._kept_until:
                 return request_id
             return next((rid for rid in self._kept_until if request_id in rid), None)
+
+    def _keep_alive(self, request_id: str, duration: float | None) -> None:
+        """The router renewed a conversation decode holds no lease for: it is alive, so its host copy is
+        kept for ``duration`` (the lease time where None)."""
+        rid = self._kept_id(request_id) or self._finished.find(request_id)
+        if rid is None:
+            return
+        d = self.table.lease_s if duration is None else float(duration)
+        with self._demote_lock:
+            self._keep(rid, max(0.0, min(d, self.table.max_lease_s)))
 
     def kept_host_keys(self) -> list[frozenset[Any]]:
         """The host tier's keys of every kept conversation, one set each: those with a live lease (their
@@ -296,13 +307,9 @@ class RetentionService:
                 found = self.table.renew(rid, duration)
                 if found:
                     return 200, found
+                # No lease (demoted, declined, run out), but the conversation is alive: its host copy is kept.
+                self._keep_alive(rid, duration)
                 if rid in self._demoted:
-                    # The conversation is alive (its router still beats): its host copy stays kept.
-                    kept = self._kept_id(rid)
-                    if kept is not None:
-                        with self._demote_lock:
-                            d = self.table.lease_s if duration is None else float(duration)
-                            self._keep(kept, max(0.0, min(d, self.table.max_lease_s)))
                     return 409, {"demoted": True, "error": f"{rid} was demoted to the host KV tier"}
                 return 404, {"error": f"no retained blocks for {rid}"}
             case "POST", ["leases", rid, "demote"]:
@@ -339,10 +346,14 @@ class _RecentIds:
             return len(self._ids)
 
     def __contains__(self, request_id: object) -> bool:
-        if not isinstance(request_id, str):
-            return False
+        return isinstance(request_id, str) and self.find(request_id) is not None
+
+    def find(self, request_id: str) -> str | None:
+        """The kept id ``request_id`` names, itself or the newest that contains it."""
         with self._lock:
-            return request_id in self._ids or any(request_id in rid for rid in reversed(self._ids))
+            if request_id in self._ids:
+                return request_id
+            return next((rid for rid in reversed(self._ids) if request_id in rid), None)
 
 
 class _Handler(BaseHTTPRequestHandler):
