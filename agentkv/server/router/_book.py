@@ -250,7 +250,7 @@ class TurnBook:
     def log(self, turn: Turn) -> None:
         logger.info(
             "turn conversation_id=%s request_id=%s prefill=%s decode=%s path=%s reuse=%s reused_tokens=%d "
-            "pulled_tokens=%s prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s host_tokens=%d",
+            "pulled_tokens=%s prompt_tokens=%s prefill_ms=%.1f ttft_ms=%s host_tokens=%d decode_had=%s",
             turn.conversation_id or "-",
             turn.request_id,
             turn.prefill,
@@ -263,4 +263,7 @@ class TurnBook:
             turn.prefill_ms,
             f"{turn.ttft_ms:.1f}" if turn.ttft_ms is not None else "-",
             turn.host_tokens,
+            # "cached/of them in the host tier": why a turn without a lease recomputed (nothing left, or
+            # the path choice) reads from here.
+            "-" if turn.decode_had is None else f"{turn.decode_had[0]}/{turn.decode_had[1]}",
         )

@@ -323,11 +323,14 @@ class TurnRunner:
             return 0, 0, 0
         held, host = await self._sv.leases.cached(decode, record.request_id)
         if ids is None:
+            turn.decode_had = (held, host)
             return held, self._new_tokens(turn, record), host
         # vLLM computes at least a prompt's last token.
         cached = min(held, max(len(ids) - 1, 0), len(ids) if limit is None else limit)
         # The host tier's part is the count's tail (decode counts its KV cache's leading blocks first).
-        return cached, len(ids) - cached, max(0, min(host, cached - (held - host)))
+        host = max(0, min(host, cached - (held - host)))
+        turn.decode_had = (cached, host)
+        return cached, len(ids) - cached, host
 
     def _new_tokens(self, turn: Turn, record: ConversationRecord | None) -> int:
         """Tokens this turn adds beyond what decode holds: counted on the token path, else estimated."""

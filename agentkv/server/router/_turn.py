@@ -51,6 +51,9 @@ class Turn:
     reused_tokens: int = 0
     # Of a "cached" turn's reused tokens, those decode restores from its host KV tier (0: all in its HBM).
     host_tokens: int = 0
+    # What decode said it still had of this prompt when asked (tokens cached, of them in its host tier),
+    # whichever path the turn then took; None: not asked. The log line's `decode_had`.
+    decode_had: tuple[int, int] | None = None
     # Of those, what prefill read from decode, as our connector on prefill reports it (None: not reported).
     pulled_tokens: int | None = None
     prompt_tokens: int | None = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 from typing import Any
 
 import httpx
@@ -130,7 +132,12 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict[str, Any]]) -> ht
 
 @pytest.mark.parametrize(("cached", "host"), [(4096, 0), (4096, 3072), (0, 0)])
 async def test_a_declined_retentions_next_turn_uses_what_decode_caches(
-    engines: FakeEngines, make_client: Any, monkeypatch: pytest.MonkeyPatch, cached: int, host: int
+    engines: FakeEngines,
+    make_client: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    cached: int,
+    host: int,
 ) -> None:
     asked: list[str] = []
     control = engines._control
@@ -153,9 +160,13 @@ async def test_a_declined_retentions_next_turn_uses_what_decode_caches(
         assert await store.compare_and_set("-/c1", declined, expected=record.version)
         prefills = len(engines.completions("p"))
         second = [*USER1, first["choices"][0]["message"], {"role": "user", "content": "and now?"}]
-        r = await _chat(client, second)
+        with caplog.at_level(logging.INFO, logger="agentkv.router"):
+            r = await _chat(client, second)
         metrics = (await client.get("/metrics")).text
     assert r.status_code == 200 and asked == [record.request_id]
+    # The turn's log line says what decode had, whichever path the turn took: (cached, of it in the host).
+    had = re.findall(r"decode_had=(\d+)/(\d+)", caplog.text)
+    assert len(had) == 1 and (int(had[0][0]) > 0) == bool(cached) and (int(had[0][1]) > 0) == bool(host)
     if cached:
         assert r.headers["x-agentkv-path"] == "decode-local"
         assert r.headers["x-agentkv-reuse"] == "cached"

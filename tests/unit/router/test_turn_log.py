@@ -28,6 +28,7 @@ FIELDS = [
     "prefill_ms",
     "ttft_ms",
     "host_tokens",
+    "decode_had",
 ]
 
 
