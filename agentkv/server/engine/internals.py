@@ -151,7 +151,7 @@ INTERNALS: tuple[Internal, ...] = (
         target="vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy.evict",
         how="overridden",
         by=f"{_CONNECTOR}._host_policy.LeaseAwareLRUCachePolicy",
-        why="the host tier evicts chunks of conversations that ended before those of live or demoted ones",
+        why="the host tier evicts chunks of conversations that ended before those of ones still alive",
     ),
     Internal(
         target="vllm.v1.kv_offload.cpu.manager._CACHE_POLICIES",

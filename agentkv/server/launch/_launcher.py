@@ -118,7 +118,7 @@ class EngineSpec:
     # Bytes of host memory for vLLM's KV offload tier (its OffloadingConnector beside NIXL, through
     # MultiConnector): blocks the engine's prefix cache evicts stay loadable from host memory; 0: off.
     kv_offload_bytes: int = 0
-    # That tier evicts chunks of conversations that ended before those of live or demoted ones
+    # That tier evicts chunks of conversations that ended before those of ones still alive
     # (`_host_policy`); False: vLLM's plain LRU.
     lease_aware_host_tier: bool = True
     extra_kv_config: dict[str, object] = field(default_factory=dict)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from agentkv.server.engine._connector._leases import match_request_id
+
 __all__ = ["Cached", "CachedPrompts", "HostTier", "calling_scheduler", "host_lookup", "pool_lookup"]
 
 logger = logging.getLogger("agentkv.connector")
@@ -77,13 +79,18 @@ class CachedPrompts:
         hashes = tuple(block_hashes)[: self.max_blocks]
         if not hashes:
             return
-        pinned = self.pinned() if self.pinned is not None else ()
         with self._lock:
             old = self._kept.pop(request_id, None)
             self._blocks -= len(old) if old else 0
             self._host_keys.pop(request_id, None)
             self._kept[request_id] = hashes
             self._blocks += len(hashes)
+            if self._blocks <= self.max_blocks:
+                return
+        # Asked only when something must go, and outside our lock (it takes the lease table's). Only the
+        # scheduler thread keeps requests, so nothing else is added meanwhile.
+        pinned = self.pinned() if self.pinned is not None else ()
+        with self._lock:
             for rid in list(self._kept):  # least recent first
                 if self._blocks <= self.max_blocks:
                     break
@@ -93,16 +100,10 @@ class CachedPrompts:
                 self._host_keys.pop(rid, None)
 
     def _find(self, request_id: str) -> tuple[Any, ...] | None:
-        """vLLM turns the router's ``X-Request-Id`` into ``chatcmpl-<id>-<suffix>``: match by containment,
-        newest first (as `LeaseTable.resolve` does)."""
+        """The hashes of the request the router's ``request_id`` names, newest first (`match_request_id`)."""
         with self._lock:
-            found = self._kept.get(request_id)
-            if found is not None:
-                return found
-            for rid in reversed(self._kept):
-                if request_id in rid:
-                    return self._kept[rid]
-        return None
+            rid = match_request_id(request_id, self._kept, reversed(self._kept))
+            return None if rid is None else self._kept[rid]
 
     def cached_tokens(self, request_id: str) -> Cached | None:
         """The request's leading whole blocks decode still has (``Cached``); None where the request is not

@@ -6,7 +6,7 @@ to whatever ran since, including conversations that ended (released, or whose le
 heartbeat) and one-off requests. This policy keeps vLLM's LRU and its bookkeeping, and changes only which
 chunks ``evict`` takes: first, least recently used first, those of no *kept* conversation; only where those
 are too few, least recently used first over all (vLLM's own order). Kept are decode's live leases and the
-conversations it demoted to the tier while the router still beats for them
+conversations without a lease (demoted, declined at the cap, run out) that the router still beats for
 (`RetentionService.kept_host_keys`).
 The retention replay (``bench/_retention_tiers.py``) models this order: expired entries before live ones.
 

@@ -31,11 +31,19 @@ retention once a conversation passed half the cap.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["LeaseTable", "Retained"]
+__all__ = ["LeaseTable", "Retained", "match_request_id"]
+
+
+def match_request_id(request_id: str, ids: Container[str], scan: Iterable[str]) -> str | None:
+    """The id of ``ids`` that ``request_id`` names: itself, else the first of ``scan`` (``ids`` in the order
+    to try) that contains it. vLLM turns the router's ``X-Request-Id`` into ``chatcmpl-<id>-<suffix>``."""
+    if request_id in ids:
+        return request_id
+    return next((rid for rid in scan if request_id in rid), None)
 
 
 @dataclass
@@ -164,6 +172,11 @@ class LeaseTable:
         with self._lock:
             return [rid for rid in self._retained if self._live(rid, now)]
 
+    def duration(self, duration_s: float | None) -> float:
+        """How long a renewal asking for ``duration_s`` extends: the lease time where None, at most
+        ``max_lease_s``."""
+        return self.lease_s if duration_s is None else max(0.0, min(float(duration_s), self.max_lease_s))
+
     def clock(self) -> float:
         """The table's clock (the scheduler process's ``perf_counter``)."""
         return self._clock()
@@ -202,14 +215,9 @@ class LeaseTable:
 
     # --- service thread --------------------------------------------------------------------------------
     def resolve(self, request_id: str) -> str | None:
-        """vLLM turns the router's ``X-Request-Id`` into ``chatcmpl-<id>-<suffix>``: match by containment."""
+        """The leased request the router's ``request_id`` names (`match_request_id`)."""
         with self._lock:
-            if request_id in self._retained:
-                return request_id
-            for rid in self._retained:
-                if request_id in rid:
-                    return rid
-        return None
+            return match_request_id(request_id, self._retained, self._retained)
 
     def lookup(self, request_id: str, *, reading: bool = False) -> dict[str, Any] | None:
         """The lease's params and time left; ``reading``: a prefill asks before it reads the blocks."""
@@ -238,7 +246,7 @@ class LeaseTable:
         rid = self.resolve(request_id)
         if rid is None:
             return None
-        d = self.lease_s if duration_s is None else max(0.0, min(float(duration_s), self.max_lease_s))
+        d = self.duration(duration_s)
         with self._lock:
             r = self._retained.get(rid)
             if r is None or rid in self._pending.release:

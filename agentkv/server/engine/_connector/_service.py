@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from agentkv.server.engine._connector._cached import CachedPrompts
-from agentkv.server.engine._connector._leases import LeaseTable
+from agentkv.server.engine._connector._leases import LeaseTable, match_request_id
 
 __all__ = ["COUNTERS", "READ_SPARE_S", "RetentionService", "render_metrics"]
 
@@ -55,8 +55,8 @@ COUNTERS = {
     "demotions_pressure": "of those, leases decode demoted to retain a newer request under its retention cap",
     "host_evicted": "chunks the host KV tier evicted of conversations decode does not keep (ended, released, "
     "expired, one-off requests)",
-    "host_evicted_kept": "chunks the host KV tier evicted of kept conversations (live leases, demoted ones "
-    "the router still beats for): the live set is more than the tier holds",
+    "host_evicted_kept": "chunks the host KV tier evicted of kept conversations (live leases, and those "
+    "without one the router still beats for): the live set is more than the tier holds",
     "fingerprint_blocks_hashed": "KV blocks whose token fingerprints were hashed from their tokens",
     "fingerprint_blocks_reused": "KV blocks whose token fingerprints came from an earlier turn's chain",
     "block_hashes_computed": "prompt blocks whose vLLM prefix-cache hash vLLM computed on arrival",
@@ -197,9 +197,7 @@ class RetentionService:
     def _kept_id(self, request_id: str) -> str | None:
         """The kept request ``request_id`` names (the router's id is contained in vLLM's)."""
         with self._demote_lock:
-            if request_id in self._kept_until:
-                return request_id
-            return next((rid for rid in self._kept_until if request_id in rid), None)
+            return match_request_id(request_id, self._kept_until, self._kept_until)
 
     def _keep_alive(self, request_id: str, duration: float | None) -> None:
         """The router renewed a conversation decode holds no lease for: it is alive, so its host copy is
@@ -207,14 +205,14 @@ class RetentionService:
         rid = self._kept_id(request_id) or self._finished.find(request_id)
         if rid is None:
             return
-        d = self.table.lease_s if duration is None else float(duration)
         with self._demote_lock:
-            self._keep(rid, max(0.0, min(d, self.table.max_lease_s)))
+            self._keep(rid, self.table.duration(duration))
 
     def kept_host_keys(self) -> list[frozenset[Any]]:
         """The host tier's keys of every kept conversation, one set each: those with a live lease (their
-        blocks are in HBM; the host copy is what a demotion under pressure needs) and those demoted while
-        their keep lasts. Called by the host tier's eviction policy on the scheduler thread."""
+        blocks are in HBM; the host copy is what a demotion under pressure needs) and those without a lease
+        while their keep lasts (a demotion, or the router's renewals). Called by the host tier's eviction
+        policy on the scheduler thread."""
         if self.cached is None or self.cached.host_key is None:
             return []
         sets = (self.cached.host_keys(rid) for rid in self.kept_ids())
@@ -351,9 +349,7 @@ class _RecentIds:
     def find(self, request_id: str) -> str | None:
         """The kept id ``request_id`` names, itself or the newest that contains it."""
         with self._lock:
-            if request_id in self._ids:
-                return request_id
-            return next((rid for rid in reversed(self._ids) if request_id in rid), None)
+            return match_request_id(request_id, self._ids, reversed(self._ids))
 
 
 class _Handler(BaseHTTPRequestHandler):
