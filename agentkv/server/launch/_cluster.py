@@ -98,6 +98,8 @@ class ClusterConfig:
     decode_kv_offload_bytes: int = 0
     # That tier's evictions ordered by lease state (`EngineSpec.lease_aware_host_tier`).
     lease_aware_host_tier: bool = True
+    # CPU engines run vLLM's worker in the engine-core process (`EngineSpec.in_process_worker`).
+    in_process_worker: bool = True
     extra_kv_config: dict[str, Any] = field(default_factory=dict)
     # Two turns through every prefill/decode pair once the engines are up, so that no user's turn pays
     # NIXL's first handshakes (agentkv.server.launch._warmup). A pair that cannot serve them fails the start.
@@ -202,6 +204,7 @@ class ClusterConfig:
             fast_json=self.fast_json,
             prefill_token=self.prefill_token,
             extra_kv_config=dict(self.extra_kv_config),
+            in_process_worker=self.in_process_worker,
             env={**float_env, **self.env},
         )
 

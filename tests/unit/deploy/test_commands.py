@@ -57,6 +57,7 @@ def launcher_spec(chart_values: dict[str, Any], role: str) -> EngineSpec:
         max_model_len=chart_values["model"]["maxModelLen"],
         enforce_eager=c["enforceEager"],
         cpu_kvcache_gib=c["cpuKvCacheGiB"],
+        in_process_worker=c["inProcessWorker"],
         block_size=c.get("blockSize"),  # Helm drops a null default
         tool_call_parser=c["toolCallParser"] or None,
         scale_out=c["scaleOut"],
@@ -129,7 +130,7 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     (
         "cpu",
         {
-            "engine": {"cpuKvCacheGiB": 4, "rdma": {"ucxNetDevices": "eth0"}},
+            "engine": {"cpuKvCacheGiB": 4, "inProcessWorker": False, "rdma": {"ucxNetDevices": "eth0"}},
             "prefill": {"prefixCaching": False},
         },
     ),

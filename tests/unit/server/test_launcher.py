@@ -335,3 +335,26 @@ def test_the_host_spec_the_launcher_names_is_vllms_cpu_spec_with_agentkvs_worker
     assert HOST_SPEC_MODULE == _tiers.__name__ == _tiers.HOST_SPEC_MODULE
     assert HOST_SPEC_NAME == _tiers.HOST_SPEC_NAME
     assert issubclass(getattr(_tiers, HOST_SPEC_NAME), CPUOffloadingSpec)
+
+
+def test_cpu_engines_of_one_thread_run_the_worker_in_the_engine_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    # Pinned (one core each) and floating (one OpenMP thread each): vLLM's uniproc executor, one thread.
+    pinned = ClusterConfig(model="/m", device="cpu")
+    floating = ClusterConfig(model="/m", device="cpu", n_decode=3)
+    for config in (pinned, floating):
+        for _, spec in config.specs():
+            _, env = build_command(spec)
+            assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["OMP_NUM_THREADS"]) == ("0", "1")
+    # The user's thread count wins; turned off, or left to vLLM's own binding: vLLM's CPU default (mp).
+    _, env = build_command(EngineSpec(role="decode", model="/m", port=1, env={"OMP_NUM_THREADS": "4"}))
+    assert (env["VLLM_ENABLE_V1_MULTIPROCESSING"], env["OMP_NUM_THREADS"]) == ("0", "4")
+    for spec in (
+        EngineSpec(role="decode", model="/m", port=1, cpu_core=1, in_process_worker=False),
+        EngineSpec(role="decode", model="/m", port=1),
+        EngineSpec(role="decode", model="/m", port=1, device="gpu", cpu_core=1),
+    ):
+        _, env = build_command(spec)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env and "OMP_NUM_THREADS" not in env
+    off = ClusterConfig(model="/m", device="cpu", in_process_worker=False).specs()
+    assert not any(spec.in_process_worker for _, spec in off)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-__all__ = ["AgentKVWorker", "progress_thread_delay"]
+__all__ = ["AgentKVWorker", "omp_bind_cores", "progress_thread_delay"]
 
 logger = logging.getLogger("agentkv.connector")
 
@@ -59,6 +59,20 @@ def progress_thread_delay(delay_us: int) -> Iterator[None]:
         bind.nixlAgentConfig = base
 
 
+def omp_bind_cores(value: str) -> set[int] | None:
+    """The cores of a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` ("3", "0-3,6"); None for "auto", "nobind", a
+    list per rank ("0|1") or anything else this does not read, which leaves the thread where it was."""
+    if not value or "|" in value or not all(c.isdigit() or c in ",-" for c in value):
+        return None
+    cores: set[int] = set()
+    for part in value.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            return None
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
 class AgentKVWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig) -> None:
         ktc = vllm_config.kv_transfer_config
@@ -68,7 +82,13 @@ class AgentKVWorker(NixlPullConnectorWorker):
         with progress_thread_delay(settings.progress_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         tune_queue_readers(busy_loop_s=settings.worker_busy_loop_s, max_wait_ms=settings.queue_max_wait_ms)
-        if settings.restore_affinity and affinity is not None and os.sched_getaffinity(0) != affinity:
+        if settings.restore_affinity and affinity is not None:
             # vLLM pinned this thread to the last core of each NUMA node, the same core for every instance.
-            os.sched_setaffinity(0, affinity)
-            logger.info("agentkv restored worker CPU affinity to %s", sorted(affinity))
+            # In its uniproc executor no worker process was started with the OpenMP binding that
+            # VLLM_CPU_OMP_THREADS_BIND names, so this thread, which runs the model, takes those cores here.
+            in_process = vllm_config.parallel_config.distributed_executor_backend == "uni"
+            bound = omp_bind_cores(os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "")) if in_process else None
+            target = bound or affinity
+            if os.sched_getaffinity(0) != target:
+                os.sched_setaffinity(0, target)
+                logger.info("agentkv set the model thread's CPU affinity to %s", sorted(target))

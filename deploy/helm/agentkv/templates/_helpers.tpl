@@ -198,6 +198,12 @@ address ($(POD_IP), expanded by the kubelet): prefill calls decode's retention s
   value: "1"
 - name: DO_NOT_TRACK
   value: "1"
+{{- $oneThread := false }}
+{{- range $c.extraEnv }}{{ if eq .name "OMP_NUM_THREADS" }}{{ $oneThread = true }}{{ end }}{{ end }}
+{{- if and $c.inProcessWorker $oneThread }}
+- name: VLLM_ENABLE_V1_MULTIPROCESSING
+  value: "0"
+{{- end }}
 {{- else }}
 - name: UCX_CUDA_IPC_ENABLE_GET_ZCOPY
   value: "y"
