@@ -135,22 +135,25 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             return None
         return a > 0 if b <= 0 else a / b >= need
 
+    def by_load(leg: str, key: str = "goodput_turns_s") -> dict[int, Any]:
+        return {
+            step["conversations"]: step["summary"].get(key)
+            for step in legs[leg]["steps"]
+            if "summary" in step and "conversations" in step
+        }
+
     def at_equal_loads(mine: str, other: str) -> list[dict[str, Any]]:
         # A leg that meets the SLO at no load tried has no knee, so its knee ratio says little; the same
         # offered load (conversations per step) compares the two legs turn for turn.
-        def by_load(leg: str) -> dict[int, float]:
-            return {
-                step["conversations"]: step["summary"]["goodput_turns_s"]
-                for step in legs[leg]["steps"]
-                if "summary" in step and "conversations" in step
-            }
-
         ours, theirs = by_load(mine), by_load(other)
         return [
             {"conversations": n, mine: a, other: theirs[n], "ratio": ratio(a, theirs[n])}
             for n, a in ours.items()
             if n in theirs
         ]
+
+    def all_met(verdicts: list[bool | None]) -> bool | None:
+        return None if not verdicts or None in verdicts else all(verdicts)
 
     reached = {leg: bool(r["knee"].get("reached")) for leg, r in legs.items()}
     errors = sum(
@@ -173,12 +176,19 @@ def targets(legs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         out[f"{name}_goodput"] = ratio(goodput(mine), goodput(other))
         out[f"{name}_met"] = met(goodput(mine), goodput(other), need)
         if mine in legs and other in legs:
-            out[f"{name}_at_equal_loads"] = at_equal_loads(mine, other)
+            loads = out[f"{name}_at_equal_loads"] = at_equal_loads(mine, other)
+            # The wording ("at the same offered load"), every load both legs ran.
+            out[f"{name}_at_equal_loads_met"] = all_met([met(e[mine], e[other], need) for e in loads])
     for leg in ("on", "tiered", "exact"):
         if leg in legs:
             hit = legs[leg]["knee"]["hit_rate"]
             out[f"{leg}_hit_rate_at_knee"] = hit
             out[f"{leg}_hit_rate_met"] = None if hit is None else hit >= 0.9
+            hits = by_load(leg, "hit_rate")
+            out[f"{leg}_hit_rate_by_load"] = [{"conversations": n, "hit_rate": h} for n, h in hits.items()]
+            out[f"{leg}_hit_rate_by_load_met"] = all_met(
+                [None if h is None else h >= 0.9 for h in hits.values()]
+            )
     return out
 
 

@@ -257,11 +257,40 @@ def test_targets_compare_equal_loads_where_a_leg_has_no_knee() -> None:
     t = targets({"off": leg(0.0, {6: 0.7, 12: 0.5}), "on": leg(1.5, {12: 1.5, 18: 2.0})})
     assert t["on_vs_off_goodput"] is None and t["on_vs_off_met"] is True
     assert t["on_vs_off_at_equal_loads"] == [{"conversations": 12, "on": 1.5, "off": 0.5, "ratio": 3.0}]
-    assert "on_vs_agg_at_equal_loads" not in t
+    assert t["on_vs_off_at_equal_loads_met"] is True
+    assert "on_vs_agg_at_equal_loads" not in t and "on_vs_agg_at_equal_loads_met" not in t
     json.dumps(t, allow_nan=False)
     lost = targets({"off": leg(0.0, {6: 0.7}), "on": leg(0.0, {6: 0.0})})
     assert lost["on_vs_off_met"] is False
     assert lost["on_vs_off_at_equal_loads"] == [{"conversations": 6, "on": 0.0, "off": 0.7, "ratio": 0.0}]
+    assert lost["on_vs_off_at_equal_loads_met"] is False
+
+
+def test_targets_at_equal_loads_where_no_leg_meets_the_slo_at_p90() -> None:
+    """Issue 46's load: no leg's p90 is within the SLO (the first turns recompute), so no leg has a knee, and
+    the verdicts come from the one load all legs ran: tiered served turns within the SLO where HBM-only ON
+    served none (2x of nothing: met), more than the single server, and reused on every later turn."""
+
+    def leg(goodput: float, hit: float | None) -> dict[str, Any]:
+        summary = {"errors": {}, "goodput_turns_s": goodput, "hit_rate": hit}
+        return {
+            "knee": {"goodput_turns_s": 0.0, "hit_rate": None},
+            "steps": [{"conversations": 7, "summary": summary}],
+        }
+
+    t = targets({"tiered": leg(0.18, 1.0), "on": leg(0.0, 0.667), "agg": leg(0.116, 0.857)})
+    assert t["tiered_vs_on_met"] is False and t["tiered_vs_on_at_equal_loads_met"] is True
+    assert t["tiered_vs_on_at_equal_loads"] == [
+        {"conversations": 7, "tiered": 0.18, "on": 0.0, "ratio": None}
+    ]
+    assert t["tiered_vs_agg_at_equal_loads_met"] is True
+    assert t["on_vs_agg_at_equal_loads_met"] is False
+    assert t["tiered_hit_rate_met"] is None and t["tiered_hit_rate_by_load_met"] is True
+    assert t["tiered_hit_rate_by_load"] == [{"conversations": 7, "hit_rate": 1.0}]
+    assert t["on_hit_rate_by_load_met"] is False
+    # Neither leg served a turn within the SLO: not met; a load whose hit rate is unknown: no verdict.
+    none = targets({"tiered": leg(0.0, None), "on": leg(0.0, 0.5)})
+    assert none["tiered_vs_on_at_equal_loads_met"] is False and none["tiered_hit_rate_by_load_met"] is None
 
 
 def test_merge_computes_targets_over_the_merged_legs() -> None:
