@@ -367,6 +367,11 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
             evicted = service_info(d.service_url)["stats"]
             assert evicted["host_evicted"] > evicted0["host_evicted"], evicted
             assert evicted["host_evicted_kept"] == evicted0["host_evicted_kept"], evicted
+            # Decode's gauges of the tier: the demoted conversation's chunks among the fillers', within room.
+            held = metric(d.service_url, "agentkv_connector_host_tier_chunks")
+            kept = metric(d.service_url, "agentkv_connector_host_tier_kept_chunks")
+            room = metric(d.service_url, "agentkv_connector_host_tier_capacity_chunks")
+            assert 0 < kept < held <= room, (held, kept, room)
 
             turn, history, before = _after_the_tool(router, session, d.url)
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)

@@ -154,6 +154,12 @@ INTERNALS: tuple[Internal, ...] = (
         why="the host tier evicts chunks of conversations that ended before those of ones still alive",
     ),
     Internal(
+        target="vllm.v1.kv_offload.cpu.policies.lru.LRUCachePolicy.__init__",
+        how="overridden",
+        by=f"{_CONNECTOR}._host_policy.LeaseAwareLRUCachePolicy",
+        why="each policy is registered for the decode's host-tier gauges (`_host_policy.occupancy`)",
+    ),
+    Internal(
         target="vllm.v1.kv_offload.cpu.manager._CACHE_POLICIES",
         how="tuned",
         by=f"{_CONNECTOR}._host_policy.register_builtin",

@@ -127,3 +127,28 @@ def test_a_live_lease_and_a_demoted_conversation_are_kept_while_the_router_beats
     # A request decode no longer remembers the hashes of keeps nothing (the policy then falls back to LRU).
     table.add("chatcmpl-unknown-1", {}, 8)
     assert svc.kept_host_keys() == []
+
+
+def test_occupancy_counts_the_tiers_chunks_and_those_of_kept_conversations() -> None:
+    """The decode's host-tier gauges: chunks held, of kept conversations, and room, summed over this
+    process's policies; an eviction shows in them; with no policy of ours alive there is nothing to say."""
+    import gc
+
+    from agentkv.server.engine._connector._host_policy import occupancy
+    from agentkv.server.engine._connector._service import render_metrics
+
+    gc.collect()  # policies of earlier tests are gone (the registry holds them weakly)
+    assert occupancy() is None
+    assert "host_tier" not in render_metrics({"role": "decode"}, 0, 0, occupancy())
+    keep_with(lambda: [frozenset({b"a1", b"a2"})])
+    policy = _filled([b"a1", b"a2", b"b1", b"c1"])
+    assert occupancy() == {"held": 4, "kept": 2, "capacity": 4}
+    assert _evicted(policy.evict(1, set())) == [b"b1"]  # vLLM's evict drops what it returns
+    assert occupancy() == {"held": 3, "kept": 2, "capacity": 4}
+    text = render_metrics({"role": "decode"}, 0, 0, occupancy())
+    assert 'agentkv_connector_host_tier_chunks{role="decode"} 3.0' in text
+    assert 'agentkv_connector_host_tier_kept_chunks{role="decode"} 2.0' in text
+    assert 'agentkv_connector_host_tier_capacity_chunks{role="decode"} 4.0' in text
+    del policy
+    gc.collect()
+    assert occupancy() is None

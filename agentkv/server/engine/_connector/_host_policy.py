@@ -20,12 +20,20 @@ live in the same engine-core process: the connector hands the policy its kept ke
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Collection, Container, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload.cpu.policies.lru import LRUCachePolicy
 
-__all__ = ["POLICY_MODULE", "POLICY_NAME", "LeaseAwareLRUCachePolicy", "keep_with", "register_builtin"]
+__all__ = [
+    "POLICY_MODULE",
+    "POLICY_NAME",
+    "LeaseAwareLRUCachePolicy",
+    "keep_with",
+    "occupancy",
+    "register_builtin",
+]
 
 logger = logging.getLogger("agentkv.connector")
 
@@ -61,6 +69,11 @@ class _Either:
 class LeaseAwareLRUCachePolicy(LRUCachePolicy):
     """vLLM's LRU policy, evicting chunks of no kept conversation before any of a kept one."""
 
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)
+        self.agentkv_capacity = cache_capacity  # 0.26's base class keeps no copy
+        _policies.add(self)
+
     def evict(self, n: int, protected: set[Any]) -> Any:
         kept = _kept_now()
         # vLLM's LRU skips protected keys and returns None (changing nothing) where it cannot take n.
@@ -72,6 +85,28 @@ class LeaseAwareLRUCachePolicy(LRUCachePolicy):
             _counts["host_evicted"] = _counts.get("host_evicted", 0) + len(found) - of_kept
             _counts["host_evicted_kept"] = _counts.get("host_evicted_kept", 0) + of_kept
         return found
+
+
+# This process's policies, for `occupancy` (one per host tier; weak: vLLM owns them).
+_policies: weakref.WeakSet[LeaseAwareLRUCachePolicy] = weakref.WeakSet()
+
+
+def occupancy() -> dict[str, int] | None:
+    """What this process's host tier holds now, in chunks: ``held``, ``kept`` (of those, chunks of kept
+    conversations) and ``capacity``; None where no tier runs this policy (vLLM's LRU, or no tier)."""
+    policies = list(_policies)
+    if not policies:
+        return None
+    kept = _Either(*_kept_now())
+    held = of_kept = capacity = 0
+    for policy in policies:
+        # vLLM 0.32+ name the policy's dict `chunks`, 0.26 `blocks`; list() copies it under the GIL while
+        # the engine thread stores and evicts.
+        keys = list(getattr(policy, "chunks", None) or getattr(policy, "blocks", None) or ())
+        held += len(keys)
+        of_kept += sum(1 for key in keys if key in kept)
+        capacity += policy.agentkv_capacity
+    return {"held": held, "kept": of_kept, "capacity": capacity}
 
 
 def _kept_now() -> Sequence[Collection[Any]]:

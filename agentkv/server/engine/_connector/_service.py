@@ -19,6 +19,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from agentkv.server.engine._connector._cached import CachedPrompts
+from agentkv.server.engine._connector._host_policy import occupancy
 from agentkv.server.engine._connector._leases import LeaseTable, match_request_id
 
 __all__ = ["COUNTERS", "READ_SPARE_S", "RetentionService", "render_metrics"]
@@ -64,7 +65,20 @@ COUNTERS = {
 }
 
 
-def render_metrics(info: dict[str, Any], retained_now: int, retained_blocks: int) -> str:
+# Gauges of the host KV tier (`_host_policy.occupancy`), where it runs agentkv's eviction policy.
+HOST_TIER_GAUGES = {
+    "held": ("host_tier_chunks", "chunks the host KV tier holds now"),
+    "kept": (
+        "host_tier_kept_chunks",
+        "of those, chunks of kept conversations (live leases, and those the router still beats for)",
+    ),
+    "capacity": ("host_tier_capacity_chunks", "chunks the host KV tier has room for"),
+}
+
+
+def render_metrics(
+    info: dict[str, Any], retained_now: int, retained_blocks: int, host_tier: dict[str, int] | None = None
+) -> str:
     """Prometheus text exposition of the connector's counters, labelled with the engine's role."""
     role = info.get("role", "unknown")
     stats = info.get("stats") or {}
@@ -81,6 +95,14 @@ def render_metrics(info: dict[str, Any], retained_now: int, retained_blocks: int
         "# TYPE agentkv_connector_retained_blocks gauge",
         f'agentkv_connector_retained_blocks{{role="{role}"}} {float(retained_blocks)}',
     ]
+    for key, (metric, doc) in HOST_TIER_GAUGES.items():
+        if host_tier is not None:
+            name = f"agentkv_connector_{metric}"
+            lines += [
+                f"# HELP {name} {doc}",
+                f"# TYPE {name} gauge",
+                f'{name}{{role="{role}"}} {host_tier[key]:.1f}',
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -360,7 +382,7 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET" and self.path.split("?", 1)[0] == "/metrics":
             # Counters only, nothing a caller could act on: Prometheus scrapes it without the token.
             table = self.service.table
-            text = render_metrics(self.service._info(), len(table), table.blocks_in_use())
+            text = render_metrics(self.service._info(), len(table), table.blocks_in_use(), occupancy())
             self._reply(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
             return
         body: dict[str, Any] = {}
