@@ -258,6 +258,7 @@ def test_the_router_sends_a_turn_whose_blocks_are_in_the_host_tier_to_decode(tie
         second = chat(router.url, history, conversation_id=cid, max_tokens=8, extra={"top_logprobs": 5})
         _assert_restored_from_the_host_tier(second, d.url, before, tokens=DECLINED_TOKENS)
         assert metric(router.url, "agentkv_host_tier_tokens_total") > 0
+        assert metric(router.url, "agentkv_host_tier_turns_total") == 1
 
         # Prefill alone is an ordinary single server computing the whole prompt: its answer, up to rounding.
         assert_agrees_up_to_rounding(second, chat(p.url, history, max_tokens=8, extra={"top_logprobs": 5}))

@@ -221,8 +221,11 @@ class TurnBook:
             m.pulled_tokens.inc(turn.pulled_tokens)
         if turn.host_tokens:
             m.host_tier_tokens.inc(turn.host_tokens)
+            m.host_tier_turns.inc()
         if turn.ttft_ms is not None:
             m.ttft_seconds.observe(turn.ttft_ms / 1000)
+            if turn.host_tokens:
+                m.host_tier_ttft_seconds.observe(turn.ttft_ms / 1000)
         if turn.decode_started:
             m.decode_seconds.observe(time.perf_counter() - turn.decode_started)
 

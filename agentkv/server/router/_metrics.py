@@ -65,6 +65,17 @@ class RouterMetrics:
             "restored (evicted from its HBM, kept by vLLM's OffloadingConnector)",
             registry=r,
         )
+        self.host_tier_turns = Counter(
+            "agentkv_host_tier_turns",
+            "Turns whose reused KV decode restored in part from its host KV tier",
+            registry=r,
+        )
+        self.host_tier_ttft_seconds = Histogram(
+            "agentkv_host_tier_ttft_seconds",
+            "Router receive to first decode byte of those turns (streamed ones): the restore is on this path",
+            buckets=_BUCKETS,
+            registry=r,
+        )
         self.demotions = Children(
             Counter(
                 "agentkv_demotions",

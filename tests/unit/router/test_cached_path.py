@@ -175,6 +175,7 @@ async def test_a_declined_retentions_next_turn_uses_what_decode_caches(
         # Where some of it comes back from decode's host tier, the turn and the counter say so.
         assert r.headers["x-agentkv-tier"] == ("host" if host else "hbm")
         assert f"agentkv_host_tier_tokens_total {float(host)}" in metrics
+        assert f"agentkv_host_tier_turns_total {float(bool(host))}" in metrics
     else:
         assert "x-agentkv-tier" not in r.headers
         assert r.headers["x-agentkv-path"] == "recompute"
