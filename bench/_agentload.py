@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import math
 import random
 import time
@@ -25,7 +24,15 @@ from typing import Any
 
 import httpx
 
-from agentkv._constants import DEFAULT_SESSION_HEADER, H_REUSE, H_TIER
+from agentkv._constants import (
+    DEFAULT_SESSION_HEADER,
+    H_PATH,
+    H_PULLED_TOKENS,
+    H_REUSE,
+    H_REUSED_TOKENS,
+    H_TIER,
+)
+from bench._common import sse_chunk
 
 __all__ = [
     "SLO",
@@ -39,9 +46,6 @@ __all__ = [
     "trace_plans",
 ]
 
-_H_PATH = "x-agentkv-path"
-_H_REUSED_TOKENS = "x-agentkv-reused-tokens"
-_H_PULLED_TOKENS = "x-agentkv-pulled-tokens"
 # Router verdicts that mean the turn did not recompute what an earlier turn computed ("local": decode
 # prefilled only the suffix on top of its own retained KV; "cached": on top of what its prefix cache or host
 # KV tier still held once the lease had ended).
@@ -198,15 +202,15 @@ async def _stream(
             return ""
         record.reuse = response.headers.get(H_REUSE)
         record.tier = response.headers.get(H_TIER)
-        record.path = response.headers.get(_H_PATH)
-        reused = response.headers.get(_H_REUSED_TOKENS)
+        record.path = response.headers.get(H_PATH)
+        reused = response.headers.get(H_REUSED_TOKENS)
         record.reused_tokens = int(reused) if reused and reused.isdigit() else None
-        pulled = response.headers.get(_H_PULLED_TOKENS)
+        pulled = response.headers.get(H_PULLED_TOKENS)
         record.pulled_tokens = int(pulled) if pulled and pulled.isdigit() else None
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 record.error = "stream error"
                 return ""

@@ -46,6 +46,7 @@ __all__ = [
     "percentile",
     "print_table",
     "results_dir",
+    "sse_chunk",
     "summarize",
     "tool_step",
     "versions",
@@ -69,6 +70,14 @@ _TRACKED_PACKAGES = (
     "httptools",
     "openai",
 )
+
+
+def sse_chunk(line: str) -> dict[str, Any] | None:
+    """The JSON of one line of an OpenAI-style event stream; None for other lines and the closing [DONE]."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    chunk: dict[str, Any] = json.loads(line[6:])
+    return chunk
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import multiprocessing
 import os
 import time
@@ -28,6 +27,7 @@ from typing import Any, Literal
 import httpx
 
 from agentkv._constants import DEFAULT_SESSION_HEADER, H_REUSE
+from bench._common import sse_chunk
 
 __all__ = ["LoadResult", "LoadSpec", "Target", "TurnResult", "run_load", "run_load_processes"]
 
@@ -143,11 +143,11 @@ async def _post(
             await response.aread()
             return response.status_code, dict(response.headers), "", None, None
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - started
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise ValueError(f"stream broke: {chunk['error']}")
             for choice in chunk.get("choices", []):

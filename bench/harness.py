@@ -34,7 +34,6 @@ and the mean TTFT of later turns.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from collections.abc import Mapping, Sequence
@@ -44,7 +43,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import bar_chart, command_line, console, print_table, results_dir, write_results
+from bench._common import bar_chart, command_line, console, print_table, results_dir, sse_chunk, write_results
 
 __all__ = [
     "BEHAVIOURS",
@@ -207,9 +206,9 @@ def _stream(
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         got = dict(r.headers)
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
             for choice in chunk.get("choices", []):

@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from bench._common import sse_chunk
 from bench._plugin_args import (
     add_env_arg,
     add_kv_config_arg,
@@ -190,9 +191,9 @@ def stream_turn(
             raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         headers = dict(r.headers)
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            chunk = sse_chunk(line)
+            if chunk is None:
                 continue
-            chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
             for ch in chunk.get("choices", []):
