@@ -14,10 +14,10 @@ import platform
 import shlex
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import matplotlib
 
@@ -35,6 +35,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
+if TYPE_CHECKING:
+    import httpx
+
 __all__ = [
     "BENCH_ROOT",
     "bar_chart",
@@ -47,6 +50,7 @@ __all__ = [
     "print_table",
     "results_dir",
     "sse_chunk",
+    "sse_chunks",
     "summarize",
     "tool_step",
     "versions",
@@ -78,6 +82,20 @@ def sse_chunk(line: str) -> dict[str, Any] | None:
         return None
     chunk: dict[str, Any] = json.loads(line[6:])
     return chunk
+
+
+def sse_chunks(response: httpx.Response) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of a streamed answer read synchronously; RuntimeError on an HTTP error status or an
+    error chunk (a benchmark's turn that failed is not a data point)."""
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.status_code}: {response.read()[:300]!r}")
+    for line in response.iter_lines():
+        chunk = sse_chunk(line)
+        if chunk is None:
+            continue
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"])
+        yield chunk
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -43,7 +43,15 @@ from typing import Any
 
 import httpx
 
-from bench._common import bar_chart, command_line, console, print_table, results_dir, sse_chunk, write_results
+from bench._common import (
+    bar_chart,
+    command_line,
+    console,
+    print_table,
+    results_dir,
+    sse_chunks,
+    write_results,
+)
 
 __all__ = [
     "BEHAVIOURS",
@@ -202,15 +210,8 @@ def _stream(
     first: float | None = None
     text, chunks, finish = "", 0, None
     with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=headers, timeout=600) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         got = dict(r.headers)
-        for line in r.iter_lines():
-            chunk = sse_chunk(line)
-            if chunk is None:
-                continue
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
+        for chunk in sse_chunks(r):
             for choice in chunk.get("choices", []):
                 first = first or time.perf_counter()
                 piece = (choice.get("delta") or {}).get("content")

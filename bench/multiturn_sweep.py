@@ -48,7 +48,7 @@ from typing import Any
 
 import httpx
 
-from bench._common import sse_chunk
+from bench._common import sse_chunks
 from bench._plugin_args import (
     add_env_arg,
     add_kv_config_arg,
@@ -187,15 +187,8 @@ def stream_turn(
     with client.stream(
         "POST", f"{router}/v1/chat/completions", json=body, headers={"x-session-id": cid}, timeout=600
     ) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"{r.status_code}: {r.read()[:300]!r}")
         headers = dict(r.headers)
-        for line in r.iter_lines():
-            chunk = sse_chunk(line)
-            if chunk is None:
-                continue
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"])
+        for chunk in sse_chunks(r):
             for ch in chunk.get("choices", []):
                 # vLLM's first chunk (the role) leaves with the first token, whatever its text.
                 first_event = first_event or time.perf_counter()
