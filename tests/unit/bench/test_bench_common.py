@@ -2,10 +2,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
+import httpx
 import pytest
 
-from bench._common import percentile, summarize, write_results
+from bench._common import percentile, sse_chunks, summarize, write_results
 
 
 @pytest.mark.parametrize(
@@ -76,3 +78,24 @@ def test_write_results_records_command_versions_and_nulls_for_nan(tmp_path, monk
     assert "not-for-results" not in text
     assert "VLLMX_OTHER" not in document["versions"]["env"]
     assert document["versions"]["env"]["AGENTKV_TOKENIZER_CACHE"] == "on"
+
+
+def test_sse_chunks_reads_a_streamed_answer_and_fails_on_errors() -> None:
+    answer = (
+        b'data: {"choices":[{"delta":{"content":"he"}}]}\n\n: a comment\n\n'
+        b'data: {"choices":[{"delta":{"content":"y"}}]}\n\ndata: [DONE]\n\n'
+    )
+    bodies = {
+        "/ok": (200, answer),
+        "/bad": (500, b"boom"),
+        "/err": (200, b'data: {"error": {"message": "x"}}\n\n'),
+    }
+    client = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(*bodies[r.url.path])))
+    with client.stream("POST", "http://engine/ok") as r:
+        assert [c["choices"][0]["delta"]["content"] for c in sse_chunks(r)] == ["he", "y"]
+    for path, said in (("/bad", "500: b'boom'"), ("/err", "{'message': 'x'}")):
+        with (
+            client.stream("POST", f"http://engine{path}") as r,
+            pytest.raises(RuntimeError, match=re.escape(said)),
+        ):
+            list(sse_chunks(r))
