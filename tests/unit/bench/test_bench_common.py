@@ -90,7 +90,11 @@ def test_sse_chunks_reads_a_streamed_answer_and_fails_on_errors() -> None:
         "/bad": (500, b"boom"),
         "/err": (200, b'data: {"error": {"message": "x"}}\n\n'),
     }
-    client = httpx.Client(transport=httpx.MockTransport(lambda r: httpx.Response(*bodies[r.url.path])))
+    client = httpx.Client(
+        transport=httpx.MockTransport(
+            lambda r: httpx.Response(bodies[r.url.path][0], content=bodies[r.url.path][1])
+        )
+    )
     with client.stream("POST", "http://engine/ok") as r:
         assert [c["choices"][0]["delta"]["content"] for c in sse_chunks(r)] == ["he", "y"]
     for path, said in (("/bad", "500: b'boom'"), ("/err", "{'message': 'x'}")):
