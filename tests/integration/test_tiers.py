@@ -373,6 +373,12 @@ def test_the_host_tier_evicts_what_ended_before_a_demoted_conversation(tiered: C
             kept = metric(d.service_url, "agentkv_connector_host_tier_kept_chunks")
             room = metric(d.service_url, "agentkv_connector_host_tier_capacity_chunks")
             assert 0 < kept < held <= room, (held, kept, room)
+            # In bytes: what vLLM sized the tier's chunks by (its host bytes over its chunk count), up to one
+            # chunk's rounding.
+            held_bytes = metric(d.service_url, "agentkv_connector_host_tier_bytes")
+            assert HOST_TIER_BYTES * (held - 1) / room <= held_bytes <= HOST_TIER_BYTES * held / room, (
+                held_bytes
+            )
 
             turn, history, before = _after_the_tool(router, session, d.url)
         _assert_restored_from_the_host_tier(turn, d.url, before, tokens=PROMPT_TOKENS)

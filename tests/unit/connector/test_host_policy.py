@@ -143,12 +143,16 @@ def test_occupancy_counts_the_tiers_chunks_and_those_of_kept_conversations() -> 
     keep_with(lambda: [frozenset({b"a1", b"a2"})])
     policy = _filled([b"a1", b"a2", b"b1", b"c1"])
     assert occupancy() == {"held": 4, "kept": 2, "capacity": 4}
+    assert "host_tier_bytes" not in render_metrics({"role": "decode"}, 0, 0, occupancy())  # size unknown
+    keep_with(lambda: [frozenset({b"a1", b"a2"})], chunk_bytes=1024.0)
+    assert occupancy() == {"held": 4, "kept": 2, "capacity": 4, "held_bytes": 4096}
     assert _evicted(policy.evict(1, set())) == [b"b1"]  # vLLM's evict drops what it returns
-    assert occupancy() == {"held": 3, "kept": 2, "capacity": 4}
+    assert occupancy() == {"held": 3, "kept": 2, "capacity": 4, "held_bytes": 3072}
     text = render_metrics({"role": "decode"}, 0, 0, occupancy())
     assert 'agentkv_connector_host_tier_chunks{role="decode"} 3.0' in text
     assert 'agentkv_connector_host_tier_kept_chunks{role="decode"} 2.0' in text
     assert 'agentkv_connector_host_tier_capacity_chunks{role="decode"} 4.0' in text
+    assert 'agentkv_connector_host_tier_bytes{role="decode"} 3072.0' in text
     del policy
     gc.collect()
     assert occupancy() is None

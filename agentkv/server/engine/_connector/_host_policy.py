@@ -47,13 +47,17 @@ _kept: KeptKeys | None = None
 # The connector's counters: chunks evicted of conversations not kept (`host_evicted`) and of kept ones
 # (`host_evicted_kept`: the live set is more than the tier holds).
 _counts: dict[str, int] | None = None
+# Bytes of KV one chunk holds (decode's bytes per token times the chunk's tokens), for `occupancy`.
+_chunk_bytes: float | None = None
 
 
-def keep_with(kept: KeptKeys | None, *, counts: dict[str, int] | None = None) -> None:
+def keep_with(
+    kept: KeptKeys | None, *, counts: dict[str, int] | None = None, chunk_bytes: float | None = None
+) -> None:
     """Order this process's host-tier evictions by ``kept`` (None: vLLM's LRU alone); count them in
-    ``counts``."""
-    global _kept, _counts
-    _kept, _counts = kept, counts
+    ``counts``; ``chunk_bytes`` (bytes of KV in one chunk) lets `occupancy` say bytes too."""
+    global _kept, _counts, _chunk_bytes
+    _kept, _counts, _chunk_bytes = kept, counts, chunk_bytes
 
 
 class _Either:
@@ -93,7 +97,8 @@ _policies: weakref.WeakSet[LeaseAwareLRUCachePolicy] = weakref.WeakSet()
 
 def occupancy() -> dict[str, int] | None:
     """What this process's host tier holds now, in chunks: ``held``, ``kept`` (of those, chunks of kept
-    conversations) and ``capacity``; None where no tier runs this policy (vLLM's LRU, or no tier)."""
+    conversations) and ``capacity``, and ``held_bytes`` where the chunk's size is known; None where no tier
+    runs this policy (vLLM's LRU, or no tier)."""
     policies = list(_policies)
     if not policies:
         return None
@@ -106,7 +111,10 @@ def occupancy() -> dict[str, int] | None:
         held += len(keys)
         of_kept += sum(1 for key in keys if key in kept)
         capacity += policy.agentkv_capacity
-    return {"held": held, "kept": of_kept, "capacity": capacity}
+    out = {"held": held, "kept": of_kept, "capacity": capacity}
+    if _chunk_bytes:
+        out["held_bytes"] = round(held * _chunk_bytes)
+    return out
 
 
 def _kept_now() -> Sequence[Collection[Any]]:

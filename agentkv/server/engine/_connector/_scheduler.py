@@ -403,7 +403,9 @@ class AgentKVScheduler(NixlPullConnectorScheduler):
                 if self.service is not None and self.leases is not None:
                     # The tier's evictions spare kept conversations (`_host_policy`, where the launcher
                     # named it as the tier's policy; vLLM's plain LRU never asks).
-                    keep_with(self.service.kept_host_keys, counts=self.stats)
+                    per_token = self.cost.bytes_per_token
+                    chunk_bytes = per_token * self.block_size * host.blocks_per_chunk if per_token else None
+                    keep_with(self.service.kept_host_keys, counts=self.stats, chunk_bytes=chunk_bytes)
                     self.cached.pinned = self.service.kept_ids
                 # Remember as many finished requests' blocks as both tiers can hold, not the pool's alone.
                 self.cached.max_blocks += host.capacity_blocks

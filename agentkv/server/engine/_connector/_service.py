@@ -73,6 +73,7 @@ HOST_TIER_GAUGES = {
         "of those, chunks of kept conversations (live leases, and those the router still beats for)",
     ),
     "capacity": ("host_tier_capacity_chunks", "chunks the host KV tier has room for"),
+    "held_bytes": ("host_tier_bytes", "bytes of KV the host KV tier holds now"),
 }
 
 
@@ -96,7 +97,7 @@ def render_metrics(
         f'agentkv_connector_retained_blocks{{role="{role}"}} {float(retained_blocks)}',
     ]
     for key, (metric, doc) in HOST_TIER_GAUGES.items():
-        if host_tier is not None:
+        if host_tier is not None and key in host_tier:
             name = f"agentkv_connector_{metric}"
             lines += [
                 f"# HELP {name} {doc}",
