@@ -14,6 +14,8 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from vllm.utils.cpu_resource_utils import parse_id_list
+
 from agentkv.server.engine._connector._config import ConnectorSettings
 from agentkv.server.engine._connector._queues import tune_queue_readers
 from agentkv.server.engine._connector._vllm import NixlPullConnectorWorker
@@ -60,17 +62,15 @@ def progress_thread_delay(delay_us: int) -> Iterator[None]:
 
 
 def omp_bind_cores(value: str) -> set[int] | None:
-    """The cores of a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` ("3", "0-3,6"); None for "auto", "nobind", a
-    list per rank ("0|1") or anything else this does not read, which leaves the thread where it was."""
-    if not value or "|" in value or not all(c.isdigit() or c in ",-" for c in value):
+    """The cores of a one-rank ``VLLM_CPU_OMP_THREADS_BIND`` ("3", "0-3,6"), read as vLLM's mp executor
+    reads it; None for "auto", "nobind", a list per rank ("0|1") or what vLLM's parser refuses, which leaves
+    the thread where it was."""
+    if not value or "|" in value or value in ("auto", "nobind"):
         return None
-    cores: set[int] = set()
-    for part in value.split(","):
-        first, dash, last = part.partition("-")
-        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
-            return None
-        cores.update(range(int(first), int(last or first) + 1))
-    return cores
+    try:
+        return set(parse_id_list(value)) or None
+    except ValueError:
+        return None
 
 
 class AgentKVWorker(NixlPullConnectorWorker):
